@@ -1,0 +1,180 @@
+"""pytest hook implementations and fixtures of pytest-gradref.
+
+Loading this module imports no torch: a project that has the plugin installed but no gradient
+tests never pays for it. torch is imported when a test needs the device (a gradref fixture or
+marker), when a device is requested explicitly, or when torch is already loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_gradref import hookspecs
+from pytest_gradref.backends import Backend, BackendRegistry, builtin_backends
+from pytest_gradref.markers import (
+    ALL_MARKERS,
+    DEVICE_MARKERS,
+    MARKER_LINES,
+    MarkerError,
+    device_mark,
+    parse_gradref_mark,
+)
+from pytest_gradref.reference import GradReference, StrategyChoice, ToleranceContext
+from pytest_gradref.settings import (
+    DEVICE_OPTION,
+    STRATEGY_OPTION,
+    DeviceRequest,
+    Setup,
+    parse_device,
+    parse_strategy,
+    read_setting,
+    resolve,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
+
+
+@dataclass
+class GradrefState:
+    """Per-session state: the registry, the parsed settings and, once needed, the setup."""
+
+    registry: BackendRegistry
+    device_request: DeviceRequest
+    strategy: StrategyChoice | None
+    strategy_source: str
+    resolved: Setup | None = None
+    reported: bool = False
+    _unused: list[str] = field(default_factory=list)
+
+    def setup(self) -> Setup:
+        if self.resolved is None:
+            self.resolved = resolve(
+                self.device_request, self.strategy, self.strategy_source, self.registry
+            )
+        return self.resolved
+
+
+state_key = pytest.StashKey[GradrefState]()
+
+
+def _state(config: pytest.Config) -> GradrefState:
+    return config.stash[state_key]
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
+    for spec in (DEVICE_OPTION, STRATEGY_OPTION):
+        group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
+        parser.addini(spec.ini, help=spec.help, default="")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
+    for backend in builtin_backends():
+        registry.register_default(backend)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKER_LINES:
+        config.addinivalue_line("markers", line)
+    registry = BackendRegistry()
+    config.hook.pytest_gradref_register_backends(registry=registry)
+    device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
+    strategy_setting = read_setting(config, STRATEGY_OPTION)
+    state = GradrefState(
+        registry=registry,
+        device_request=device_request,
+        strategy=parse_strategy(strategy_setting),
+        strategy_source=strategy_setting.source,
+    )
+    config.stash[state_key] = state
+    # An explicit request is checked before any test runs; auto waits until a test needs it.
+    if device_request.backend is not None or "torch" in sys.modules:
+        state.setup()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = _state(config)
+    if state.resolved is None:
+        return []
+    state.reported = True
+    return [state.setup().header_line()]
+
+
+def _uses_gradref(item: pytest.Item) -> bool:
+    names = getattr(item, "fixturenames", ())
+    if any(name in names for name in FIXTURE_NAMES):
+        return True
+    return any(item.get_closest_marker(name) is not None for name in ALL_MARKERS)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    state = _state(config)
+    users = [item for item in items if _uses_gradref(item)]
+    if not users:
+        return
+    setup = state.setup()
+    known = state.registry.names()
+    for item in users:
+        try:
+            parse_gradref_mark(item.get_closest_marker("gradref"))
+            for name in DEVICE_MARKERS:
+                for mark in item.iter_markers(name):
+                    converted = device_mark(mark, known, setup.backend.name)
+                    if converted is not None:
+                        item.add_marker(converted)
+        except MarkerError as error:
+            raise pytest.UsageError(f"{item.nodeid}: {error}") from None
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    state = _state(config)
+    if state.resolved is None or state.reported:
+        return []
+    state.reported = True
+    return [state.resolved.header_line()]
+
+
+@pytest.fixture(scope="session")
+def gradref_backend(pytestconfig: pytest.Config) -> Backend:
+    """The active backend policy."""
+    return _state(pytestconfig).setup().backend
+
+
+@pytest.fixture(scope="session")
+def gradref_device(pytestconfig: pytest.Config) -> torch.device:
+    """The torch.device the tests place their tensors on."""
+    return _state(pytestconfig).setup().device
+
+
+@pytest.fixture
+def grad_reference(request: pytest.FixtureRequest) -> GradReference:
+    """Computes reference values and gradients the way the active backend needs.
+
+    Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, **kwargs)``.
+    """
+    setup = _state(request.config).setup()
+    overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
+    strategy = overrides.strategy or setup.effective_strategy()
+    tolerance_overrides = (overrides.tolerance,) if overrides.tolerance is not None else ()
+    context = ToleranceContext(
+        backend=setup.backend.name,
+        table=setup.backend.tolerances,
+        overrides=tolerance_overrides,
+    )
+    return GradReference(
+        strategy=strategy,
+        default_strategy=setup.backend.default_strategy,
+        tolerance_context=context,
+    )

@@ -1,0 +1,199 @@
+"""The session's device and strategy: where each setting came from, and what it resolves to.
+
+Precedence, highest first: command line, environment variable, ini key, default ("auto").
+Per-test markers sit above all of these for the strategy; see plugin.py.
+
+Parsing needs no torch. Resolving (probing availability, counting devices) imports torch and
+is done only once a test needs it, so loading the plugin stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+from pytest_gradref.backends import Backend, BackendRegistry
+from pytest_gradref.reference import STRATEGY_CHOICES, StrategyChoice
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_HELP = (
+    "device the gradient tests run on: auto (the first available of cuda, npu, xpu, mps, cpu), "
+    "a backend name such as cuda, or NAME:INDEX such as cuda:1. Default: auto."
+)
+STRATEGY_HELP = (
+    "how reference gradients are computed: auto (the backend's default: grad_and_value on npu, "
+    "autograd elsewhere), autograd, grad_and_value, or crosscheck (both, reporting how far "
+    "they disagree). Default: auto."
+)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    flag: str
+    dest: str
+    env: str
+    ini: str
+    help: str
+
+
+DEVICE_OPTION = OptionSpec(
+    "--gradref-device", "gradref_device", "GRADREF_DEVICE", "gradref_device", DEVICE_HELP
+)
+STRATEGY_OPTION = OptionSpec(
+    "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: str
+    source: str
+
+
+def read_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
+    """The value of one setting and a phrase naming its source."""
+    cli = config.getoption(spec.dest)
+    if cli is not None:
+        return Setting(str(cli), f"the {spec.flag} option")
+    env = os.environ.get(spec.env, "").strip()
+    if env:
+        return Setting(env, f"the {spec.env} environment variable")
+    ini = str(config.getini(spec.ini)).strip()
+    if ini:
+        where = config.inipath.name if config.inipath else "the ini file"
+        return Setting(ini, f"the {spec.ini} ini key in {where}")
+    return Setting("auto", "the default")
+
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """A parsed device setting: a backend name (None for auto) and an optional index."""
+
+    backend: str | None
+    index: int | None
+    setting: Setting
+
+
+def parse_device(setting: Setting, registry: BackendRegistry) -> DeviceRequest:
+    value = setting.value
+    if value == "auto":
+        return DeviceRequest(None, None, setting)
+    name, _, index_text = value.partition(":")
+    valid = f"auto, {', '.join(registry.names())}, or NAME:INDEX such as cuda:1"
+    if name not in registry:
+        raise pytest.UsageError(
+            f"Invalid gradref device {value!r} from {setting.source}; valid values are {valid}"
+        )
+    index = None
+    if index_text:
+        if not index_text.isdigit():
+            raise pytest.UsageError(
+                f"Invalid gradref device {value!r} from {setting.source}: the index after ':' "
+                f"must be a non-negative integer; valid values are {valid}"
+            )
+        index = int(index_text)
+    return DeviceRequest(name, index, setting)
+
+
+def parse_strategy(setting: Setting) -> StrategyChoice | None:
+    """The requested strategy, or None for auto (the backend's default)."""
+    value = setting.value
+    if value == "auto":
+        return None
+    for choice in STRATEGY_CHOICES:
+        if value == choice:
+            return choice
+    raise pytest.UsageError(
+        f"Invalid gradref strategy {value!r} from {setting.source}; valid values are "
+        f"auto, {', '.join(STRATEGY_CHOICES)}"
+    )
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The resolved session setup, as the header reports it."""
+
+    backend: Backend
+    device: torch.device
+    device_source: str
+    strategy: StrategyChoice | None
+    strategy_source: str
+    unavailable: tuple[tuple[str, str], ...]
+
+    def effective_strategy(self) -> StrategyChoice:
+        return self.strategy if self.strategy is not None else self.backend.default_strategy
+
+    def header_line(self) -> str:
+        description = self.backend.describe_device(self.device)
+        strategy = self.effective_strategy()
+        if self.strategy is None:
+            strategy_from = f"{self.backend.name} default"
+        else:
+            strategy_from = f"from {self.strategy_source}"
+        line = (
+            f"gradref: device={self.device} ({description}; {self.device_source}) "
+            f"strategy={strategy} ({strategy_from})"
+        )
+        if self.unavailable:
+            reasons = "; ".join(f"{name} unavailable: {why}" for name, why in self.unavailable)
+            line += f" | {reasons}"
+        return line
+
+
+def resolve(
+    request: DeviceRequest,
+    strategy: StrategyChoice | None,
+    strategy_source: str,
+    registry: BackendRegistry,
+) -> Setup:
+    """Probe backends and pick the device; a usage error says why a request cannot be met."""
+    unavailable: list[tuple[str, str]] = []
+    if request.backend is None:
+        backend = _first_available(registry.auto_order(), unavailable)
+        device_source = "auto: first available"
+    else:
+        backend = registry.get(request.backend)
+        reason = backend.unavailable_reason()
+        if reason is not None:
+            raise pytest.UsageError(
+                f"gradref device {request.setting.value!r} from {request.setting.source} is "
+                f"unavailable: {reason}. Install or expose that device, or use "
+                "--gradref-device=auto to take the first available one."
+            )
+        device_source = f"from {request.setting.source}"
+    if request.index is not None:
+        count = backend.device_count()
+        if request.index >= count:
+            visible = ""
+            if backend.visible_devices_env and backend.visible_devices_env in os.environ:
+                env = backend.visible_devices_env
+                visible = f" with {env}={os.environ[env]!r}"
+            raise pytest.UsageError(
+                f"gradref device {request.setting.value!r} from {request.setting.source} is "
+                f"out of range: {count} {backend.name} device(s) visible{visible}, so the "
+                f"index must be 0..{count - 1}"
+            )
+    return Setup(
+        backend=backend,
+        device=backend.device(request.index),
+        device_source=device_source,
+        strategy=strategy,
+        strategy_source=strategy_source,
+        unavailable=tuple(unavailable),
+    )
+
+
+def _first_available(candidates: Sequence[Backend], unavailable: list[tuple[str, str]]) -> Backend:
+    for backend in candidates:
+        reason = backend.unavailable_reason()
+        if reason is None:
+            return backend
+        unavailable.append((backend.name, reason))
+    reasons = "; ".join(f"{name}: {why}" for name, why in unavailable) or "none registered"
+    raise pytest.UsageError(f"gradref found no available device for auto ({reasons})")
