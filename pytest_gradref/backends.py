@@ -50,6 +50,8 @@ class Backend:
             never chosen automatically.
         visible_devices_env: the environment variable that restricts the visible devices.
         count_devices: how many devices are visible; None asks torch's per-backend module.
+        cpu_only_dtypes: dtypes the device cannot compute in (by name); golden references
+            in those dtypes are computed on the CPU.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Backend:
     auto_rank: int | None = None
     visible_devices_env: str | None = None
     count_devices: Callable[[], int] | None = None
+    cpu_only_dtypes: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.default_strategy not in STRATEGIES:
@@ -246,6 +249,8 @@ def builtin_backends() -> Iterable[Backend]:
             probe=_probe_npu,
             auto_rank=20,
             visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
+            # Ascend runs few float64 kernels, so float64 goldens are computed on the CPU.
+            cpu_only_dtypes=frozenset({"float64"}),
         ),
         Backend(
             name="xpu",
@@ -254,7 +259,13 @@ def builtin_backends() -> Iterable[Backend]:
             auto_rank=30,
             visible_devices_env="ZE_AFFINITY_MASK",
         ),
-        Backend(name="mps", device_type="mps", probe=_probe_mps, auto_rank=40),
+        Backend(
+            name="mps",
+            device_type="mps",
+            probe=_probe_mps,
+            auto_rank=40,
+            cpu_only_dtypes=frozenset({"float64"}),  # MPS has no float64
+        ),
         Backend(name="cpu", device_type="cpu", auto_rank=1000),
     )
 

@@ -22,8 +22,8 @@ MARKER_LINES = (
     "of devices.",
     "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
     "is one of devices.",
-    "gradref(strategy=None, rtol=None, atol=None): per-test reference strategy and "
-    "tolerance overrides.",
+    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None): per-test "
+    "reference strategy, tolerance overrides, golden dtype and error budget.",
 )
 DEVICE_MARKERS = ("gradref_xfail", "gradref_skip", "gradref_only")
 ALL_MARKERS = (*DEVICE_MARKERS, "gradref")
@@ -32,7 +32,7 @@ _KEYWORDS: dict[str, tuple[str, ...]] = {
     "gradref_xfail": ("reason", "raises", "strict"),
     "gradref_skip": ("reason",),
     "gradref_only": ("reason",),
-    "gradref": ("strategy", "rtol", "atol"),
+    "gradref": ("strategy", "rtol", "atol", "golden", "budget"),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {"gradref_xfail": ("reason",), "gradref_skip": ("reason",)}
 
@@ -99,6 +99,12 @@ class TestOverrides:
 
     strategy: StrategyChoice | None = None
     tolerance: ToleranceOverride | None = None
+    golden: Any = None  # a torch.dtype; typed loosely so this module needs no torch
+    budget: float | None = None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
@@ -106,22 +112,37 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
         return TestOverrides()
     _check_keywords(mark)
     if mark.args:
-        raise MarkerError("@pytest.mark.gradref takes keywords only: strategy=, rtol=, atol=")
-    strategy: Any = mark.kwargs.get("strategy")
+        raise MarkerError(
+            "@pytest.mark.gradref takes keywords only: " + ", ".join(_KEYWORDS["gradref"])
+        )
+    kwargs = mark.kwargs
+    strategy = kwargs.get("strategy")
     if strategy is not None and strategy not in STRATEGY_CHOICES:
         raise MarkerError(
             f"@pytest.mark.gradref got strategy={strategy!r}; valid values are "
             f"{', '.join(STRATEGY_CHOICES)}"
         )
-    tolerance = None
-    rtol, atol = mark.kwargs.get("rtol"), mark.kwargs.get("atol")
+    rtol, atol = kwargs.get("rtol"), kwargs.get("atol")
     for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-        ):
-            raise MarkerError(
-                f"@pytest.mark.gradref got {name}={value!r}; it must be a number >= 0"
-            )
+        if value is not None and not (_is_number(value) and value >= 0):
+            raise MarkerError(f"@pytest.mark.gradref got {name}={value!r}; it must be >= 0")
+    tolerance = None
     if rtol is not None or atol is not None:
         tolerance = ToleranceOverride(rtol, atol, "the test's @pytest.mark.gradref marker")
-    return TestOverrides(strategy=strategy, tolerance=tolerance)
+    golden, budget = kwargs.get("golden"), kwargs.get("budget")
+    if golden is not None and not getattr(golden, "is_floating_point", False):
+        raise MarkerError(
+            f"@pytest.mark.gradref got golden={golden!r}; it must be a floating torch.dtype "
+            "such as torch.float64"
+        )
+    if budget is not None:
+        if not (_is_number(budget) and budget > 0):
+            raise MarkerError(f"@pytest.mark.gradref got budget={budget!r}; it must be > 0")
+        if golden is None:
+            raise MarkerError(
+                "@pytest.mark.gradref got budget= without golden=: a budget is measured "
+                "against a golden reference, so add golden=torch.float64"
+            )
+        if tolerance is not None:
+            raise MarkerError("@pytest.mark.gradref takes either budget= or rtol=/atol=")
+    return TestOverrides(strategy=strategy, tolerance=tolerance, golden=golden, budget=budget)

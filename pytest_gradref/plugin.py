@@ -8,7 +8,8 @@ marker), when a device is requested explicitly, or when torch is already loaded.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
@@ -23,16 +24,20 @@ from pytest_gradref.markers import (
     device_mark,
     parse_gradref_mark,
 )
-from pytest_gradref.reference import GradReference, StrategyChoice, ToleranceContext
+from pytest_gradref.reference import CheckPolicy, GradReference, Recording, StrategyChoice
+from pytest_gradref.report import REPORT_HELP, ReportCollector, test_record
 from pytest_gradref.settings import (
     DEVICE_OPTION,
+    SEED_OPTION,
     STRATEGY_OPTION,
     DeviceRequest,
     Setup,
     parse_device,
+    parse_seed,
     parse_strategy,
     read_setting,
     resolve,
+    seed_for_test,
 )
 
 if TYPE_CHECKING:
@@ -49,9 +54,10 @@ class GradrefState:
     device_request: DeviceRequest
     strategy: StrategyChoice | None
     strategy_source: str
+    seed: int
+    report: ReportCollector
     resolved: Setup | None = None
     reported: bool = False
-    _unused: list[str] = field(default_factory=list)
 
     def setup(self) -> Setup:
         if self.resolved is None:
@@ -62,6 +68,7 @@ class GradrefState:
 
 
 state_key = pytest.StashKey[GradrefState]()
+recording_key = pytest.StashKey[Recording]()
 
 
 def _state(config: pytest.Config) -> GradrefState:
@@ -74,9 +81,10 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
-    for spec in (DEVICE_OPTION, STRATEGY_OPTION):
+    for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION):
         group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
         parser.addini(spec.ini, help=spec.help, default="")
+    group.addoption("--gradref-report", dest="gradref_report", default=None, help=REPORT_HELP)
 
 
 @pytest.hookimpl(trylast=True)
@@ -92,13 +100,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.hook.pytest_gradref_register_backends(registry=registry)
     device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
     strategy_setting = read_setting(config, STRATEGY_OPTION)
+    seed = parse_seed(read_setting(config, SEED_OPTION))
     state = GradrefState(
         registry=registry,
         device_request=device_request,
         strategy=parse_strategy(strategy_setting),
         strategy_source=strategy_setting.source,
+        seed=seed,
+        report=ReportCollector(config.getoption("gradref_report"), seed),
     )
     config.stash[state_key] = state
+    config.pluginmanager.register(state.report, "gradref-report")
     # An explicit request is checked before any test runs; auto waits until a test needs it.
     if device_request.backend is not None or "torch" in sys.modules:
         state.setup()
@@ -109,7 +121,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if state.resolved is None:
         return []
     state.reported = True
-    return [state.setup().header_line()]
+    return [state.resolved.header_line(state.seed)]
 
 
 def _uses_gradref(item: pytest.Item) -> bool:
@@ -143,7 +155,36 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     if state.resolved is None or state.reported:
         return []
     state.reported = True
-    return [state.resolved.header_line()]
+    return [state.resolved.header_line(state.seed)]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Seed before fixtures draw their tensors; only where torch is already loaded, so a run
+    # without gradient tests never imports it.
+    if "torch" not in sys.modules:
+        return
+    state = _state(item.config)
+    seed = seed_for_test(state.seed, item.nodeid)
+    if state.resolved is not None:
+        state.resolved.backend.seed(seed)
+    else:
+        sys.modules["torch"].manual_seed(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    recording = item.stash.get(recording_key, None)
+    state = _state(item.config)
+    if report.when == "call" and recording is not None and state.resolved is not None:
+        # A plain attribute travels with the report to the xdist controller.
+        report.__dict__["gradref"] = test_record(
+            report.nodeid, state.resolved, state.seed, recording
+        )
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -162,19 +203,22 @@ def gradref_device(pytestconfig: pytest.Config) -> torch.device:
 def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     """Computes reference values and gradients the way the active backend needs.
 
-    Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, **kwargs)``.
+    Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None, **kwargs)``.
     """
     setup = _state(request.config).setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
-    strategy = overrides.strategy or setup.effective_strategy()
-    tolerance_overrides = (overrides.tolerance,) if overrides.tolerance is not None else ()
-    context = ToleranceContext(
+    recording = request.node.stash.setdefault(recording_key, Recording())
+    policy = CheckPolicy(
         backend=setup.backend.name,
         table=setup.backend.tolerances,
-        overrides=tolerance_overrides,
+        overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
+        budget=overrides.budget,
+        recording=recording,
     )
     return GradReference(
-        strategy=strategy,
+        strategy=overrides.strategy or setup.effective_strategy(),
         default_strategy=setup.backend.default_strategy,
-        tolerance_context=context,
+        policy=policy,
+        golden=overrides.golden,
+        golden_on_cpu=setup.backend.cpu_only_dtypes,
     )

@@ -17,11 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 
 from pytest_gradref.backends import STRATEGIES, Strategy
 from pytest_gradref.compare import (
-    ItemMismatch,
+    ItemCheck,
+    ResolvedTolerance,
     Tolerance,
     ToleranceOverride,
-    compare_item,
-    format_mismatches,
+    check_budget,
+    check_tolerance,
+    dtype_name,
+    epsilon,
+    format_failures,
     less_precise,
     resolve_tolerance,
 )
@@ -32,24 +36,65 @@ if TYPE_CHECKING:
 StrategyChoice = Literal["autograd", "grad_and_value", "crosscheck"]
 STRATEGY_CHOICES: tuple[StrategyChoice, ...] = ("autograd", "grad_and_value", "crosscheck")
 Argnums = Union[int, Sequence[int]]
+ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
+ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]
 
 
 @dataclass(frozen=True)
 class Disagreement:
-    """How far autograd and grad_and_value differ on one item (crosscheck)."""
+    """How far autograd and grad_and_value differ on one item (crosscheck).
+
+    ``exceeds_tolerance`` says whether the two differ by more than the item's tolerance,
+    i.e. whether the choice of strategy alone could fail a test.
+    """
 
     label: str
+    dtype: str
     max_abs: float
     max_rel: float
+    exceeds_tolerance: bool
+    tolerance: str
+
+
+@dataclass
+class Recording:
+    """What one test's references checked, collected for the report."""
+
+    checks: list[ItemCheck] = field(default_factory=list)
+    disagreements: list[Disagreement] = field(default_factory=list)
+    strategies: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
-class ToleranceContext:
-    """What tolerances depend on besides the dtype: the backend and any overrides."""
+class CheckPolicy:
+    """What comparisons depend on besides the dtype: backend table, overrides, budget."""
 
     backend: str
     table: Mapping[str, Tolerance] = field(default_factory=dict)
     overrides: tuple[ToleranceOverride, ...] = ()
+    budget: float | None = None
+    recording: Recording | None = None
+
+    def tolerance(
+        self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = ()
+    ) -> ResolvedTolerance:
+        return resolve_tolerance(dtype, self.backend, self.table, (*extra, *self.overrides))
+
+
+@dataclass(frozen=True)
+class Golden:
+    """The same reference computed in a higher precision."""
+
+    dtype: torch.dtype
+    device: torch.device
+    value: torch.Tensor
+    arg_grads: tuple[torch.Tensor, ...]
+    param_grads: Mapping[str, torch.Tensor]
+
+
+def _check_budget_value(budget: float) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"budget must be a number > 0, got {budget!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,6 +111,7 @@ class Reference:
         backend: the backend whose policy chose it.
         crosscheck: under the crosscheck strategy, the disagreement per item between
             autograd and grad_and_value; else None.
+        golden: the same computed in a higher precision, when ``golden=`` was asked for.
     """
 
     value: torch.Tensor
@@ -75,66 +121,79 @@ class Reference:
     strategy: Strategy
     backend: str
     crosscheck: tuple[Disagreement, ...] | None
+    golden: Golden | None
     grad_labels: tuple[str, ...]
-    tolerance_context: ToleranceContext
-
-    def _grads_tuple(self) -> tuple[torch.Tensor, ...]:
-        return self.grads if isinstance(self.grads, tuple) else (self.grads,)
+    policy: CheckPolicy
 
     def assert_close(
         self,
         actual_value: torch.Tensor,
-        actual_grads: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+        actual_grads: ActualGrads = None,
         *,
-        param_grads: Mapping[str, torch.Tensor | None] | torch.nn.Module | None = None,
+        param_grads: ActualParamGrads = None,
         rtol: float | None = None,
         atol: float | None = None,
+        budget: float | None = None,
     ) -> None:
         """Assert that a kernel's value and gradients match this reference.
 
-        Each item is compared with the tolerance of its backend and dtype (the less precise of
-        the two dtypes), unless a ``gradref`` marker or ``rtol``/``atol`` here override it.
+        By default each item is compared with the tolerance of its backend and dtype (the
+        less precise of the actual's and the reference's), unless a ``gradref`` marker or
+        ``rtol``/``atol`` here override it. With ``budget=k`` (or a marker's budget) and a
+        golden reference, each item instead passes when its error against the golden is at
+        most k times the same-dtype reference's own error, plus a floor (see compare.py).
         Every item is checked before failing, and the message names each one that differs.
 
         Raises:
-            AssertionError: an item differs beyond its tolerance.
-            TypeError, ValueError: the actual results do not line up with the reference.
+            AssertionError: an item differs beyond its tolerance or budget.
+            TypeError, ValueError: the arguments do not line up with the reference.
         """
-        items = self._pair_items(actual_value, actual_grads, param_grads)
-        overrides = self.tolerance_context.overrides
-        if rtol is not None or atol is not None:
-            call = ToleranceOverride(rtol, atol, "the assert_close() arguments")
-            overrides = (call, *overrides)
-        mismatches: list[ItemMismatch] = []
-        for label, actual, expected in items:
-            if actual is None:
-                mismatches.append(
-                    ItemMismatch(label, "the actual gradient is None: did backward() reach it?")
+        if budget is not None and (rtol is not None or atol is not None):
+            raise ValueError("assert_close() takes either budget= or rtol=/atol=, not both")
+        if budget is None and rtol is None and atol is None:
+            budget = self.policy.budget
+        if budget is not None:
+            _check_budget_value(budget)
+            if self.golden is None:
+                raise ValueError(
+                    f"assert_close(budget={budget:g}) needs a golden reference: call "
+                    "grad_reference(..., golden=torch.float64) or mark the test "
+                    "@pytest.mark.gradref(golden=torch.float64)"
                 )
+        extra: tuple[ToleranceOverride, ...] = ()
+        if rtol is not None or atol is not None:
+            extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
+        checks = []
+        for label, actual, expected, golden in self._pair_items(
+            actual_value, actual_grads, param_grads
+        ):
+            if budget is not None:
+                checks.append(check_budget(label, actual, expected, golden, budget))
                 continue
-            dtype = less_precise(actual.dtype, expected.dtype)
-            resolved = resolve_tolerance(
-                dtype, self.tolerance_context.backend, self.tolerance_context.table, overrides
+            dtype = expected.dtype if actual is None else less_precise(actual.dtype, expected.dtype)
+            checks.append(
+                check_tolerance(label, actual, expected, self.policy.tolerance(dtype, extra))
             )
-            mismatch = compare_item(label, actual, expected, resolved)
-            if mismatch is not None:
-                mismatches.append(mismatch)
-        if mismatches:
+        if self.policy.recording is not None:
+            self.policy.recording.checks.extend(checks)
+        if not all(check.passed for check in checks):
             header = f"Reference mismatch ({self.backend} backend, {self.strategy} reference)"
-            raise AssertionError(format_mismatches(header, mismatches, len(items)))
+            raise AssertionError(format_failures(header, checks))
 
     def _pair_items(
         self,
         actual_value: torch.Tensor,
-        actual_grads: torch.Tensor | Sequence[torch.Tensor | None] | None,
-        param_grads: Mapping[str, torch.Tensor | None] | torch.nn.Module | None,
-    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor]]:
+        actual_grads: ActualGrads,
+        param_grads: ActualParamGrads,
+    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any]]:
+        """(label, actual, reference, golden or None) for every item, validated."""
         import torch
 
-        items: list[tuple[str, torch.Tensor | None, torch.Tensor]] = [
-            ("value", actual_value, self.value)
+        golden = self.golden
+        expected_grads = self.grads if isinstance(self.grads, tuple) else (self.grads,)
+        items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any]] = [
+            ("value", actual_value, self.value, golden and golden.value)
         ]
-        expected_grads = self._grads_tuple()
         if expected_grads:
             if actual_grads is None:
                 raise TypeError(
@@ -151,7 +210,8 @@ class Reference:
                     f"reference has {len(expected_grads)} ({', '.join(self.grad_labels)}), "
                     "aligned with argnums"
                 )
-            items += zip(self.grad_labels, actual_tuple, expected_grads)
+            golden_grads = golden.arg_grads if golden else (None,) * len(expected_grads)
+            items += zip(self.grad_labels, actual_tuple, expected_grads, golden_grads)
         if self.param_grads:
             if param_grads is None:
                 raise TypeError(
@@ -165,7 +225,9 @@ class Reference:
             if missing:
                 raise ValueError(f"assert_close(): param_grads lacks {', '.join(missing)}")
             for name, expected in self.param_grads.items():
-                items.append((f"gradient of parameter {name!r}", param_grads[name], expected))
+                golden_grad = golden.param_grads[name] if golden else None
+                label = f"gradient of parameter {name!r}"
+                items.append((label, param_grads[name], expected, golden_grad))
         return items
 
 
@@ -363,15 +425,72 @@ _STRATEGY_FUNCTIONS: dict[Strategy, Callable[[_Problem], _Result]] = {
 }
 
 
-def _disagreement(label: str, a: torch.Tensor, b: torch.Tensor) -> Disagreement:
+def _disagreement(
+    label: str, a: torch.Tensor, b: torch.Tensor, policy: CheckPolicy
+) -> Disagreement:
     import torch
 
     a64, b64 = a.detach().double(), b.detach().double()
     diff = (a64 - b64).abs()
+    resolved = policy.tolerance(a.dtype)
+    tol = resolved.tolerance
     if diff.numel() == 0:
-        return Disagreement(label, 0.0, 0.0)
+        return Disagreement(label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source)
     relative = torch.where(diff == 0, torch.zeros_like(diff), diff / b64.abs())
-    return Disagreement(label, float(diff.max()), float(relative.max()))
+    exceeds = not bool(torch.isclose(a64, b64, rtol=tol.rtol, atol=tol.atol).all())
+    criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
+    return Disagreement(
+        label, dtype_name(a.dtype), float(diff.max()), float(relative.max()), exceeds, criterion
+    )
+
+
+def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:
+    """value with floating tensors cast to dtype (and every tensor moved to device)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if device is not None:
+            tensor = tensor.to(device)
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if isinstance(value, list):
+        return [_upcast(v, dtype, device) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_upcast(v, dtype, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _upcast(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+def _golden_problem(problem: _Problem, dtype: torch.dtype, device: torch.device | None) -> _Problem:
+    def cast(value: Any) -> Any:
+        return _upcast(value, dtype, device)
+
+    return _Problem(
+        fn=problem.fn,
+        args=cast(problem.args),
+        kwargs=cast(problem.kwargs),
+        argnums=problem.argnums,
+        has_aux=problem.has_aux,
+        params=cast(problem.params),
+        frozen=cast(problem.frozen),
+    )
+
+
+def _check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
+    import torch
+
+    if not isinstance(golden, torch.dtype) or not golden.is_floating_point:
+        raise TypeError(
+            f"golden must be a floating torch.dtype such as torch.float64, got {golden!r}"
+        )
+    for position, arg in enumerate(args):
+        floating = isinstance(arg, torch.Tensor) and arg.is_floating_point()
+        if floating and epsilon(arg.dtype) < epsilon(golden):
+            raise ValueError(
+                f"golden={golden} is less precise than argument {position} "
+                f"({arg.dtype}); a golden reference needs a more precise dtype"
+            )
 
 
 def compute_reference(
@@ -383,12 +502,16 @@ def compute_reference(
     has_aux: bool,
     strategy: StrategyChoice,
     default_strategy: Strategy,
-    tolerance_context: ToleranceContext,
+    policy: CheckPolicy,
+    golden: torch.dtype | None = None,
+    golden_device: torch.device | None = None,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; see the module docstring for guarantees.
 
     Under ``crosscheck`` both strategies run, ``default_strategy``'s result is returned and
-    the greatest disagreement per item is recorded on ``Reference.crosscheck``.
+    the disagreement per item is recorded on ``Reference.crosscheck``. With ``golden`` the
+    primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
+    given, else where the inputs are).
     """
     import torch
 
@@ -399,10 +522,11 @@ def compute_reference(
     is_module = isinstance(fn, torch.nn.Module)
     args = tuple(args)
     positions = normalize_argnums(fn, args, argnums, is_module=is_module)
+    if golden is not None:
+        _check_golden_dtype(golden, args)
     params: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
-    if is_module:
-        assert isinstance(fn, torch.nn.Module)
+    if isinstance(fn, torch.nn.Module):
         for name, param in fn.named_parameters():
             if param.requires_grad:
                 params[name] = param
@@ -426,7 +550,23 @@ def compute_reference(
             (f"gradient of parameter {name!r}", grad, other.param_grads[name])
             for name, grad in result.param_grads.items()
         ]
-        crosscheck = tuple(_disagreement(*pair) for pair in pairs)
+        crosscheck = tuple(_disagreement(*pair, policy) for pair in pairs)
+        if policy.recording is not None:
+            policy.recording.disagreements.extend(crosscheck)
+    if policy.recording is not None:
+        policy.recording.strategies.append(strategy)
+
+    golden_result = None
+    if golden is not None:
+        upcast = _golden_problem(problem, golden, golden_device)
+        computed = _STRATEGY_FUNCTIONS[primary](upcast)
+        golden_result = Golden(
+            dtype=golden,
+            device=computed.value.device,
+            value=computed.value,
+            arg_grads=computed.arg_grads,
+            param_grads=computed.param_grads,
+        )
 
     grads: torch.Tensor | tuple[torch.Tensor, ...] = result.arg_grads
     if isinstance(argnums, int):
@@ -437,20 +577,27 @@ def compute_reference(
         param_grads=result.param_grads,
         aux=result.aux,
         strategy=primary,
-        backend=tolerance_context.backend,
+        backend=policy.backend,
         crosscheck=crosscheck,
+        golden=golden_result,
         grad_labels=tuple(labels),
-        tolerance_context=tolerance_context,
+        policy=policy,
     )
 
 
 @dataclass(frozen=True)
 class GradReference:
-    """The ``grad_reference`` fixture: computes references under the test's policy."""
+    """The ``grad_reference`` fixture: computes references under the test's policy.
+
+    ``golden`` is the test's default golden dtype (from its marker); ``golden_on_cpu`` names
+    the dtypes the backend cannot compute on its device, whose goldens go to the CPU.
+    """
 
     strategy: StrategyChoice
     default_strategy: Strategy
-    tolerance_context: ToleranceContext
+    policy: CheckPolicy
+    golden: torch.dtype | None = None
+    golden_on_cpu: frozenset[str] = frozenset()
 
     def __call__(
         self,
@@ -459,13 +606,22 @@ class GradReference:
         *args: Any,
         argnums: Argnums = 0,
         has_aux: bool = False,
+        golden: torch.dtype | None = None,
         **kwargs: Any,
     ) -> Reference:
         """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
 
         fn may be an nn.Module: then gradients w.r.t. its parameters that require grad come
-        too, in ``Reference.param_grads``, and ``argnums=()`` asks for those alone.
+        too, in ``Reference.param_grads``, and ``argnums=()`` asks for those alone. With
+        ``golden=torch.float64`` the reference is also computed in that dtype, for
+        ``Reference.assert_close(..., budget=k)``.
         """
+        import torch
+
+        golden = golden if golden is not None else self.golden
+        golden_device = None
+        if golden is not None and dtype_name(golden) in self.golden_on_cpu:
+            golden_device = torch.device("cpu")
         return compute_reference(
             fn,
             args,
@@ -474,5 +630,7 @@ class GradReference:
             has_aux=has_aux,
             strategy=self.strategy,
             default_strategy=self.default_strategy,
-            tolerance_context=self.tolerance_context,
+            policy=self.policy,
+            golden=golden,
+            golden_device=golden_device,
         )

@@ -9,6 +9,7 @@ is done only once a test needs it, so loading the plugin stays cheap.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,13 @@ class OptionSpec:
 DEVICE_OPTION = OptionSpec(
     "--gradref-device", "gradref_device", "GRADREF_DEVICE", "gradref_device", DEVICE_HELP
 )
+SEED_HELP = (
+    "base seed: every test seeds torch from it and its node id, so it draws the same numbers "
+    "alone, in any order and on any xdist worker. Default: 0."
+)
+SEED_OPTION = OptionSpec(
+    "--gradref-seed", "gradref_seed", "GRADREF_SEED", "gradref_seed", SEED_HELP
+)
 STRATEGY_OPTION = OptionSpec(
     "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
 )
@@ -69,6 +77,27 @@ def read_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
         where = config.inipath.name if config.inipath else "the ini file"
         return Setting(ini, f"the {spec.ini} ini key in {where}")
     return Setting("auto", "the default")
+
+
+def parse_seed(setting: Setting) -> int:
+    if setting.value == "auto":
+        return 0
+    try:
+        seed = int(setting.value)
+    except ValueError:
+        seed = -1
+    if seed < 0:
+        raise pytest.UsageError(
+            f"Invalid gradref seed {setting.value!r} from {setting.source}; it must be a "
+            "non-negative integer"
+        )
+    return seed
+
+
+def seed_for_test(base: int, nodeid: str) -> int:
+    """A seed that depends only on the base seed and the test's node id (stable across runs)."""
+    digest = hashlib.sha256(f"{base}:{nodeid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # < 2**63, what torch.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -129,7 +158,7 @@ class Setup:
     def effective_strategy(self) -> StrategyChoice:
         return self.strategy if self.strategy is not None else self.backend.default_strategy
 
-    def header_line(self) -> str:
+    def header_line(self, seed: int) -> str:
         description = self.backend.describe_device(self.device)
         strategy = self.effective_strategy()
         if self.strategy is None:
@@ -138,7 +167,7 @@ class Setup:
             strategy_from = f"from {self.strategy_source}"
         line = (
             f"gradref: device={self.device} ({description}; {self.device_source}) "
-            f"strategy={strategy} ({strategy_from})"
+            f"strategy={strategy} ({strategy_from}) seed={seed}"
         )
         if self.unavailable:
             reasons = "; ".join(f"{name} unavailable: {why}" for name, why in self.unavailable)

@@ -1,0 +1,120 @@
+"""The precision report: what each test compared, how close it came, where strategies differ.
+
+Per-test records ride on the test reports (so they reach the xdist controller), are collected
+there, written as JSON with ``--gradref-report=PATH`` and summarised in the terminal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gradref.settings import seed_for_test
+
+if TYPE_CHECKING:
+    from pytest_gradref.reference import Recording
+    from pytest_gradref.settings import Setup
+
+REPORT_HELP = (
+    "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
+    "item the dtype, greatest absolute and relative error, the tolerance or budget used and "
+    "the headroom left; under --gradref-strategy=crosscheck also how far autograd and "
+    "grad_and_value disagree."
+)
+TIGHTEST_SHOWN = 10
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no inf or NaN: write those as strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {k: _finite(v) for k, v in dataclasses.asdict(obj).items() if k not in drop}
+
+
+def test_record(nodeid: str, setup: Setup, base_seed: int, recording: Recording) -> dict[str, Any]:
+    """One test's record, made of plain values so it can travel between processes."""
+    return {
+        "nodeid": nodeid,
+        "device": str(setup.device),
+        "backend": setup.backend.name,
+        "strategies": sorted(set(recording.strategies)),
+        "seed": seed_for_test(base_seed, nodeid),
+        "items": [_plain(check, drop=("detail",)) for check in recording.checks],
+        "crosscheck": [_plain(d) for d in recording.disagreements],
+    }
+
+
+test_record.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
+
+
+class ReportCollector:
+    """A plugin object that gathers the records on the process that reports (controller)."""
+
+    def __init__(self, path: str | None, base_seed: int) -> None:
+        self.path = Path(path) if path else None
+        self.base_seed = base_seed
+        self.records: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = report.__dict__.get("gradref")
+        if record is not None:
+            self.records.append({**record, "outcome": report.outcome})
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.path is None or hasattr(session.config, "workerinput"):
+            return
+        tests = sorted(self.records, key=lambda r: r["nodeid"])
+        document = {"base_seed": self.base_seed, "tests": tests}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(document, indent=2) + "\n")
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        lines = self.summary_lines(verbose=config.get_verbosity() > 0)
+        if lines:
+            terminalreporter.section("gradref")
+            for line in lines:
+                terminalreporter.write_line(line)
+        if self.path is not None:
+            terminalreporter.write_line(f"gradref report written to {self.path}")
+
+    def summary_lines(self, verbose: bool) -> list[str]:
+        """The tightest items (with -v) and every crosscheck disagreement beyond tolerance."""
+        lines = []
+        exceeding = [
+            (record["nodeid"], d)
+            for record in self.records
+            for d in record["crosscheck"]
+            if d["exceeds_tolerance"]
+        ]
+        if exceeding:
+            lines.append("autograd and grad_and_value disagree beyond tolerance:")
+            for nodeid, d in exceeding:
+                lines.append(
+                    f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {d['max_abs']:.3g} "
+                    f"(relative {d['max_rel']:.3g}); tolerance {d['tolerance']}"
+                )
+        if verbose:
+            items = [
+                (record["nodeid"], item)
+                for record in self.records
+                for item in record["items"]
+                if isinstance(item["headroom"], (int, float))
+            ]
+            items.sort(key=lambda pair: pair[1]["headroom"])
+            if items:
+                lines.append(f"tightest compared items (of {len(items)}):")
+            for nodeid, item in items[:TIGHTEST_SHOWN]:
+                lines.append(
+                    f"  headroom {item['headroom']:7.1%}  {item['dtype']:>8}  {item['label']}  "
+                    f"in {nodeid}  [{item['criterion']}]"
+                )
+        return lines
