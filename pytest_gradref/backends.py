@@ -112,6 +112,19 @@ class Backend:
         except Exception as error:  # a description must never fail a run
             return f"{device.type} ({type(error).__name__})"
 
+    def activate(self, device: torch.device) -> None:
+        """Make device the current one, so code that uses the default device lands there."""
+        set_device = getattr(self._module(), "set_device", None)
+        if device.type != "cpu" and set_device is not None:
+            set_device(device)
+
+    def current_device(self) -> str:
+        """The device that tensors created without a device index land on."""
+        current = getattr(self._module(), "current_device", None)
+        if self.device_type == "cpu" or current is None:
+            return self.device_type
+        return f"{self.device_type}:{current()}"
+
     def seed(self, seed: int) -> None:
         """Seed torch's CPU generator and every generator of this device family."""
         import torch

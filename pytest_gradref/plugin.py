@@ -99,6 +99,11 @@ def pytest_configure(config: pytest.Config) -> None:
     registry = BackendRegistry()
     config.hook.pytest_gradref_register_backends(registry=registry)
     device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
+    assigned = None
+    if config.pluginmanager.hasplugin("xdist"):
+        from pytest_gradref.xdist import worker_device_request
+
+        assigned = worker_device_request(config)
     strategy_setting = read_setting(config, STRATEGY_OPTION)
     seed = parse_seed(read_setting(config, SEED_OPTION))
     state = GradrefState(
@@ -111,8 +116,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[state_key] = state
     config.pluginmanager.register(state.report, "gradref-report")
-    # An explicit request is checked before any test runs; auto waits until a test needs it.
-    if device_request.backend is not None or "torch" in sys.modules:
+    if config.pluginmanager.hasplugin("xdist"):
+        from pytest_gradref.xdist import XdistHooks
+
+        config.pluginmanager.register(XdistHooks(state), "gradref-xdist")
+    if assigned is not None:
+        # An xdist worker takes the device its controller chose, before any test runs.
+        state.device_request = assigned
+        setup = state.setup()
+        setup.backend.activate(setup.device)
+    elif device_request.backend is not None or "torch" in sys.modules:
+        # An explicit request is checked before any test runs; auto waits until a test needs it.
         state.setup()
 
 

@@ -150,10 +150,19 @@ class Setup:
 
     backend: Backend
     device: torch.device
+    index: int | None
     device_source: str
     strategy: StrategyChoice | None
     strategy_source: str
     unavailable: tuple[tuple[str, str], ...]
+
+    @property
+    def label(self) -> str:
+        """The device as the user names it: "cuda:1", or "npu:0 on cpu" for a test policy."""
+        if self.device.type == self.backend.name:
+            return str(self.device)
+        named = f"{self.backend.name}:{self.index or 0}"
+        return f"{named} on {self.device}"
 
     def effective_strategy(self) -> StrategyChoice:
         return self.strategy if self.strategy is not None else self.backend.default_strategy
@@ -166,7 +175,7 @@ class Setup:
         else:
             strategy_from = f"from {self.strategy_source}"
         line = (
-            f"gradref: device={self.device} ({description}; {self.device_source}) "
+            f"gradref: device={self.label} ({description}; {self.device_source}) "
             f"strategy={strategy} ({strategy_from}) seed={seed}"
         )
         if self.unavailable:
@@ -211,6 +220,7 @@ def resolve(
     return Setup(
         backend=backend,
         device=backend.device(request.index),
+        index=request.index,
         device_source=device_source,
         strategy=strategy,
         strategy_source=strategy_source,

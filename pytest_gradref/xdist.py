@@ -1,0 +1,117 @@
+"""Multi-device runs under pytest-xdist.
+
+The controller decides which device each worker takes (round-robin over the devices the caller
+made visible, or every worker on an explicitly pinned index) and hands it over through
+``workerinput``, so a worker knows its device before any test touches one. Each worker reports
+back what it ran on, and the controller's summary shows the mapping.
+
+This module is loaded only when pytest-xdist is installed; its hooks exist only there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gradref.settings import DeviceRequest, Setting, Setup
+
+if TYPE_CHECKING:
+    from pytest_gradref.plugin import GradrefState
+
+WORKER_DEVICE_KEY = "gradref_device"
+WORKER_SETUP_KEY = "gradref_setup"
+
+
+def assign_devices(
+    backend_name: str, device_count: int, worker_count: int, pinned_index: int | None
+) -> list[str]:
+    """The device of each worker, by worker number.
+
+    Round-robin over the ``device_count`` visible devices, so more workers than devices share
+    them evenly; every worker on ``pinned_index`` when the user named one.
+    """
+    if pinned_index is not None:
+        return [f"{backend_name}:{pinned_index}"] * worker_count
+    count = max(device_count, 1)
+    return [f"{backend_name}:{number % count}" for number in range(worker_count)]
+
+
+def physical_ids(visible_env: str | None) -> list[str] | None:
+    """What the visible-devices variable maps indices to, e.g. ["2", "3"]; None when unset."""
+    if not visible_env or not os.environ.get(visible_env, "").strip():
+        return None
+    return [part.strip() for part in os.environ[visible_env].split(",")]
+
+
+def worker_device_request(config: pytest.Config) -> DeviceRequest | None:
+    """On a worker, the device its controller assigned (None elsewhere)."""
+    workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
+    if not workerinput or WORKER_DEVICE_KEY not in workerinput:
+        return None
+    value = workerinput[WORKER_DEVICE_KEY]
+    name, _, index = value.partition(":")
+    source = f"the xdist controller for worker {workerinput.get('workerid', '?')}"
+    return DeviceRequest(name, int(index) if index else None, Setting(value, source))
+
+
+class XdistHooks:
+    """xdist-only hooks: assigns devices on the controller, reports them from the workers."""
+
+    def __init__(self, state: GradrefState) -> None:
+        self.state = state
+        self.workers: dict[str, dict[str, Any]] = {}
+
+    @pytest.hookimpl
+    def pytest_configure_node(self, node: Any) -> None:
+        setup = self.state.setup()
+        pinned = self.state.device_request.index
+        mapping = assign_devices(
+            setup.backend.name,
+            setup.backend.device_count(),
+            node.workerinput["workercount"],
+            pinned,
+        )
+        workerid: str = node.workerinput["workerid"]
+        number = int(workerid.removeprefix("gw"))
+        node.workerinput[WORKER_DEVICE_KEY] = mapping[number % len(mapping)]
+
+    @pytest.hookimpl
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", {}).get(WORKER_SETUP_KEY)
+        if output is not None:
+            self.workers[node.workerinput["workerid"]] = output
+
+    @pytest.hookimpl
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        workeroutput = getattr(session.config, "workeroutput", None)
+        setup = self.state.resolved
+        if workeroutput is not None and setup is not None:
+            workeroutput[WORKER_SETUP_KEY] = worker_summary(setup)
+
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not self.workers:
+            return
+        terminalreporter.section("gradref workers")
+        for workerid in sorted(self.workers, key=lambda w: int(w.removeprefix("gw"))):
+            info = self.workers[workerid]
+            physical = f", physical {info['physical']}" if info.get("physical") else ""
+            terminalreporter.write_line(
+                f"{workerid} -> {info['device']} ({info['description']}{physical}; "
+                f"current device {info['current']})"
+            )
+
+
+def worker_summary(setup: Setup) -> dict[str, Any]:
+    """What a worker ran on, in plain values for workeroutput."""
+    ids = physical_ids(setup.backend.visible_devices_env)
+    index = setup.index if setup.index is not None else 0
+    current = setup.backend.current_device()
+    return {
+        "device": setup.label,
+        "description": setup.backend.describe_device(setup.device),
+        "physical": ids[index] if ids and index < len(ids) else None,
+        "current": current,
+    }
