@@ -1,0 +1,203 @@
+"""The JSON precision report, crosscheck summaries and per-test seeds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+CASES = """
+import pytest
+import torch
+
+
+def loss(x, w):
+    return torch.tanh(x @ w).square().sum()
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_close(grad_reference, gradref_device, n):
+    x = torch.randn(n, 4, device=gradref_device, dtype=torch.float64)
+    w = torch.randn(4, 2, device=gradref_device, dtype=torch.float64)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = loss(xx, ww)
+    out.backward()
+    ref.assert_close(out, (xx.grad, ww.grad))
+
+
+def test_off_by_a_little(grad_reference, gradref_device):
+    x = torch.randn(6, device=gradref_device, dtype=torch.float64)
+    ref = grad_reference(lambda t: t.exp().sum(), x)
+    with pytest.raises(AssertionError):
+        ref.assert_close(x.exp().sum(), x.exp() * (1 + 1e-3))
+"""
+
+
+def _report(pytester: pytest.Pytester, *args: str) -> dict:
+    result = pytester.runpytest_subprocess("--gradref-report=report.json", *args)
+    result.assert_outcomes(passed=3)
+    return json.loads((pytester.path / "report.json").read_text())
+
+
+def test_report_content(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(CASES)
+    report = _report(pytester)
+    tests = {record["nodeid"]: record for record in report["tests"]}
+    assert sorted(tests) == [
+        "test_report_content.py::test_close[3]",
+        "test_report_content.py::test_close[5]",
+        "test_report_content.py::test_off_by_a_little",
+    ]
+    close = tests["test_report_content.py::test_close[3]"]
+    assert close["device"] == "cpu"
+    assert close["strategies"] == ["autograd"]
+    labels = [item["label"] for item in close["items"]]
+    assert labels == ["value", "gradient of argument 0 (x)", "gradient of argument 1 (w)"]
+    for item in close["items"]:
+        assert item["dtype"] == "float64"
+        assert item["passed"] is True
+        assert 0 <= item["headroom"] <= 1
+        assert "torch.testing's default for float64" in item["criterion"]
+    off = tests["test_report_content.py::test_off_by_a_little"]["items"]
+    grad = next(item for item in off if item["label"].startswith("gradient"))
+    assert grad["passed"] is False
+    assert grad["headroom"] < 0
+    assert grad["max_rel"] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_report_is_the_same_under_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(CASES)
+    serial = _report(pytester)
+    parallel = _report(pytester, "-n", "2")
+    assert parallel == serial
+
+
+def test_crosscheck_disagreements_are_recorded_in_the_report(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import torch
+
+
+def loss(x):
+    return (x * x).sum()
+
+
+def test_agree(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    ref = grad_reference(loss, x)
+    assert ref.strategy == "autograd"
+    assert ref.crosscheck is not None
+    assert [d.label for d in ref.crosscheck] == ["value", "gradient of argument 0 (x)"]
+    assert all(d.max_abs == 0 and not d.exceeds_tolerance for d in ref.crosscheck)
+"""
+    )
+    result = pytester.runpytest("--gradref-strategy=crosscheck", "--gradref-report=r.json")
+    result.assert_outcomes(passed=1)
+    record = json.loads((pytester.path / "r.json").read_text())["tests"][0]
+    assert record["strategies"] == ["crosscheck"]
+    assert [d["label"] for d in record["crosscheck"]] == ["value", "gradient of argument 0 (x)"]
+
+
+def test_crosscheck_beyond_tolerance_is_always_summarised(pytester: pytest.Pytester) -> None:
+    # A backend whose grad_and_value differs from autograd: simulated by a conftest that makes
+    # the functional transform see a different function (torch.func.grad_and_value patched).
+    pytester.makeconftest(
+        """
+import torch.func
+
+_real = torch.func.grad_and_value
+
+
+def skewed(fn, argnums=0, has_aux=False):
+    transformed = _real(fn, argnums=argnums, has_aux=has_aux)
+
+    def run(*args):
+        grads, rest = transformed(*args)
+        scale = lambda t: t * (1 + 1e-3)
+        grads = torch.utils._pytree.tree_map(scale, grads)
+        return grads, rest
+
+    return run
+
+
+torch.func.grad_and_value = skewed
+"""
+    )
+    pytester.makepyfile(
+        """
+import torch
+
+def test_disagree(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    ref = grad_reference(lambda t: (t * t).sum(), x)
+    grad = ref.crosscheck[1]
+    assert grad.exceeds_tolerance and grad.max_rel > 9e-4
+"""
+    )
+    result = pytester.runpytest_subprocess("--gradref-strategy=crosscheck")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*= gradref =*",
+            "autograd and grad_and_value disagree beyond tolerance:",
+            "*test_disagree: gradient of argument 0 (t) (float64) differs by *(relative 0.000999)*",
+        ]
+    )
+
+
+def test_verbose_summary_lists_the_tightest_items(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(CASES)
+    result = pytester.runpytest("-v")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(
+        ["tightest compared items (of 8):", "  headroom *float64  gradient of argument 0 (t)*"]
+    )
+    quiet = pytester.runpytest()
+    quiet.stdout.no_fnmatch_line("*tightest compared items*")
+
+
+SEEDED = """
+import json
+import os
+
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_draw(i):
+    path = os.path.join(os.environ["DRAWS_DIR"], f"draw{i}.json")
+    with open(path, "w") as handle:
+        json.dump(torch.rand(3).tolist(), handle)
+"""
+
+
+def _draws(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> list:
+    out = pytester.mkdir(f"draws{len(list(pytester.path.glob('draws*')))}")
+    monkeypatch.setenv("DRAWS_DIR", str(out))
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=4)
+    return [json.loads((out / f"draw{i}.json").read_text()) for i in range(4)]
+
+
+def test_draws_are_the_same_serial_reversed_alone_and_under_xdist(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(SEEDED)
+    pytester.makeconftest("import torch  # loaded before the tests, as in a torch project\n")
+    serial = _draws(pytester, monkeypatch)
+    assert len({tuple(d) for d in serial}) == 4, "each test draws its own numbers"
+    parallel = _draws(pytester, monkeypatch, "-n", "2")
+    assert parallel == serial
+    alone = _draws(pytester, monkeypatch, "-k", "test_draw")
+    assert alone == serial
+    other_base = _draws(pytester, monkeypatch, "--gradref-seed=7")
+    assert other_base != serial
+
+
+def test_seed_shown_in_header_and_bad_seed_rejected(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(gradref_device): pass")
+    pytester.runpytest("--gradref-seed=42").stdout.fnmatch_lines(["gradref: *seed=42*"])
+    bad = pytester.runpytest("--gradref-seed=abc")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad.stderr.fnmatch_lines(["*Invalid gradref seed 'abc' from the --gradref-seed option*"])
