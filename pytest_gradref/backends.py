@@ -76,8 +76,15 @@ class Backend:
         return dataclasses.replace(self, **changes)
 
     def unavailable_reason(self) -> str | None:
-        """None when this backend can run here, else a human-readable reason."""
-        return self.probe()
+        """None when this backend can run here, else a human-readable reason.
+
+        A probe that raises makes the backend unavailable with the error as the reason: a
+        broken driver or plugin must not crash the run (auto then moves on to the next).
+        """
+        try:
+            return self.probe()
+        except Exception as error:
+            return f"its probe failed: {type(error).__name__}: {error}"
 
     def _module(self) -> Any:
         import torch

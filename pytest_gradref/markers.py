@@ -16,8 +16,9 @@ from pytest_gradref.compare import ToleranceOverride
 from pytest_gradref.reference import STRATEGY_CHOICES, StrategyChoice
 
 MARKER_LINES = (
-    "gradref_xfail(*devices, reason, raises=None, strict=False): expect the test to fail "
-    "when the active gradref backend is one of devices.",
+    "gradref_xfail(*devices, reason, raises=None, strict=xfail_strict): expect the test to "
+    "fail when the active gradref backend is one of devices; strict defaults to the "
+    "xfail_strict ini option, as for pytest.mark.xfail.",
     "gradref_skip(*devices, reason): skip the test when the active gradref backend is one "
     "of devices.",
     "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
@@ -56,6 +57,12 @@ def _check_keywords(mark: pytest.Mark) -> None:
         )
 
 
+def _is_exception_types(value: object) -> bool:
+    if isinstance(value, tuple):
+        return bool(value) and all(_is_exception_types(v) for v in value)
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
 def device_mark(
     mark: pytest.Mark, known: Collection[str], active: str
 ) -> pytest.MarkDecorator | None:
@@ -75,22 +82,28 @@ def device_mark(
     if reason is not None and not isinstance(reason, str):
         raise MarkerError(f"@pytest.mark.{mark.name}: reason must be a string, got {reason!r}")
     if mark.name == "gradref_xfail":
+        # Checked on every backend, so a misuse shows up here and not only where it applies.
+        strict = mark.kwargs.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise MarkerError(f"@pytest.mark.gradref_xfail: strict must be a bool, got {strict!r}")
+        raises = mark.kwargs.get("raises")
+        if raises is not None and not _is_exception_types(raises):
+            raise MarkerError(
+                "@pytest.mark.gradref_xfail: raises must be an exception class or a tuple of "
+                f"them, got {raises!r}"
+            )
         if not applies:
             return None
-        strict = mark.kwargs.get("strict", False)
-        if not isinstance(strict, bool):
-            raise MarkerError(f"@pytest.mark.gradref_xfail: strict must be a bool, got {strict!r}")
-        return pytest.mark.xfail(
-            reason=f"[gradref {active}] {reason}", raises=mark.kwargs.get("raises"), strict=strict
-        )
+        why = f"[gradref {active}] {reason}"
+        if strict is None:  # pytest then applies the xfail_strict ini option
+            return pytest.mark.xfail(reason=why, raises=raises)
+        return pytest.mark.xfail(reason=why, raises=raises, strict=strict)
     if mark.name == "gradref_skip":
         return pytest.mark.skip(reason=f"[gradref {active}] {reason}") if applies else None
     if applies:
         return None
     default = f"runs only on {', '.join(devices)}"
-    return pytest.mark.skip(
-        reason=f"[gradref {active}] {reason or default} (active backend: {active})"
-    )
+    return pytest.mark.skip(reason=f"[gradref {active}] {reason or default}")
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,10 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
     registry = BackendRegistry()
-    config.hook.pytest_gradref_register_backends(registry=registry)
+    try:
+        config.hook.pytest_gradref_register_backends(registry=registry)
+    except ValueError as error:  # a plugin registered a name twice, or an invalid policy
+        raise pytest.UsageError(f"pytest_gradref_register_backends: {error}") from None
     device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
     assigned = None
     if config.pluginmanager.hasplugin("xdist"):
@@ -125,9 +128,16 @@ def pytest_configure(config: pytest.Config) -> None:
         state.device_request = assigned
         setup = state.setup()
         setup.backend.activate(setup.device)
-    elif device_request.backend is not None or "torch" in sys.modules:
-        # An explicit request is checked before any test runs; auto waits until a test needs it.
+    elif device_request.backend is not None or "torch" in sys.modules or _distributing(config):
+        # An explicit request is checked before any test runs, and an xdist controller needs
+        # the device to hand out; otherwise auto waits until a test needs it.
         state.setup()
+
+
+def _distributing(config: pytest.Config) -> bool:
+    """Whether this process is an xdist controller that will start workers."""
+    numprocesses = config.getoption("numprocesses", None)
+    return bool(numprocesses) and not hasattr(config, "workerinput")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -276,6 +276,11 @@ def normalize_argnums(
                 f"argnums={index} points at argument {position}, a {arg.dtype} tensor; "
                 "only floating-point and complex tensors have gradients, so leave it out "
                 "of argnums"
+                + (
+                    " (argnums=() asks for the module's parameter gradients alone)"
+                    if is_module
+                    else ""
+                )
             )
         normalized.append(position)
     return tuple(normalized)
@@ -305,7 +310,12 @@ def _argument_labels(fn: Callable[..., Any], count: int, argnums: tuple[int, ...
 
 @dataclass
 class _Problem:
-    """fn and its arguments, split into what is differentiated and what is not."""
+    """fn and its arguments, split into what is differentiated and what is not.
+
+    For modules, ``params`` are the parameters differentiated, ``frozen`` the others, and
+    ``buffers`` the buffers, which every run gets fresh copies of: a module that updates them
+    (BatchNorm's running statistics) then changes neither the caller's module nor later runs.
+    """
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]
@@ -314,15 +324,24 @@ class _Problem:
     has_aux: bool
     params: dict[str, torch.Tensor]
     frozen: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
 
-    def call(self, diff_args: Sequence[torch.Tensor], diff_params: Mapping[str, Any]) -> Any:
+    def fresh_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: buffer.clone() for name, buffer in self.buffers.items()}
+
+    def call(
+        self,
+        diff_args: Sequence[torch.Tensor],
+        diff_params: Mapping[str, Any],
+        buffers: Mapping[str, torch.Tensor],
+    ) -> Any:
         full = list(self.args)
         for position, tensor in zip(self.argnums, diff_args):
             full[position] = tensor
-        if self.params or self.frozen:
+        if self.params or self.frozen or self.buffers:
             import torch
 
-            state = {**self.frozen, **diff_params}
+            state = {**self.frozen, **buffers, **diff_params}
             return torch.func.functional_call(self.fn, state, tuple(full), self.kwargs)  # type: ignore[arg-type]
         return self.fn(*full, **self.kwargs)
 
@@ -368,16 +387,19 @@ class _Result:
 
 def _by_autograd(problem: _Problem) -> _Result:
     import torch
+    from torch.utils._pytree import tree_map
 
     leaves = [problem.args[i].detach().requires_grad_(True) for i in problem.argnums]
     params = {n: p.detach().requires_grad_(True) for n, p in problem.params.items()}
     inputs = [*leaves, *params.values()]
     with torch.enable_grad():
-        loss, aux = problem.split(problem.call(leaves, params))
+        loss, aux = problem.split(problem.call(leaves, params, problem.fresh_buffers()))
         found: Sequence[torch.Tensor | None] = [None] * len(inputs)
         if loss.requires_grad and inputs:  # else nothing differentiable reached the loss
             found = torch.autograd.grad(loss, inputs, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)]
+    # aux comes back detached, as torch.func returns it.
+    aux = tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, aux)
     return _Result(
         value=loss.detach(),
         aux=aux,
@@ -388,19 +410,28 @@ def _by_autograd(problem: _Problem) -> _Result:
 
 def _by_grad_and_value(problem: _Problem) -> _Result:
     import torch
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    # torch.func returns only tensors as aux, so the rest of aux waits here and is put back.
+    aux_parts: dict[str, Any] = {}
 
     def loss_and_aux(
-        diff_args: tuple[torch.Tensor, ...], diff_params: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, Any]:
-        loss, aux = problem.split(problem.call(diff_args, diff_params))
-        # torch.func unwraps aux as a pytree of tensors, so "no aux" travels as an empty tuple.
-        return loss, aux if problem.has_aux else ()
+        diff_args: tuple[torch.Tensor, ...],
+        diff_params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        loss, aux = problem.split(problem.call(diff_args, diff_params, buffers))
+        leaves, spec = tree_flatten(aux)
+        aux_parts.update(leaves=leaves, spec=spec)
+        return loss, tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     transform = torch.func.grad_and_value(loss_and_aux, argnums=(0, 1), has_aux=True)
     diff_args = tuple(problem.args[i].detach() for i in problem.argnums)
     diff_params = {n: p.detach() for n, p in problem.params.items()}
     try:
-        (arg_grads, param_grads), (value, aux) = transform(diff_args, diff_params)
+        (arg_grads, param_grads), (value, aux_tensors) = transform(
+            diff_args, diff_params, problem.fresh_buffers()
+        )
     except RuntimeError as error:
         if "setup_context" in str(error):
             raise RuntimeError(
@@ -411,9 +442,13 @@ def _by_grad_and_value(problem: _Problem) -> _Result:
                 "reference by autograd: @pytest.mark.gradref(strategy='autograd')"
             ) from error
         raise
+    tensors = iter(aux_tensors)
+    leaves = [
+        next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in aux_parts["leaves"]
+    ]
     return _Result(
         value=value.detach(),
-        aux=aux if problem.has_aux else None,
+        aux=tree_unflatten(leaves, aux_parts["spec"]),
         arg_grads=tuple(arg_grads),
         param_grads=dict(param_grads),
     )
@@ -474,6 +509,7 @@ def _golden_problem(problem: _Problem, dtype: torch.dtype, device: torch.device 
         has_aux=problem.has_aux,
         params=cast(problem.params),
         frozen=cast(problem.frozen),
+        buffers=cast(problem.buffers),
     )
 
 
@@ -526,15 +562,15 @@ def compute_reference(
         _check_golden_dtype(golden, args)
     params: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
     if isinstance(fn, torch.nn.Module):
         for name, param in fn.named_parameters():
             if param.requires_grad:
                 params[name] = param
             else:
                 frozen[name] = param.detach()
-        # Clones, so running statistics updated by the call never reach the caller's module.
-        frozen.update({name: b.detach().clone() for name, b in fn.named_buffers()})
-    problem = _Problem(fn, args, dict(kwargs), positions, has_aux, params, frozen)
+        buffers = {name: buffer.detach() for name, buffer in fn.named_buffers()}
+    problem = _Problem(fn, args, dict(kwargs), positions, has_aux, params, frozen, buffers)
     signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
     labels = _argument_labels(signature_source, len(args), positions)
 

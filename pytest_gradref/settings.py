@@ -120,7 +120,7 @@ def parse_device(setting: Setting, registry: BackendRegistry) -> DeviceRequest:
             f"Invalid gradref device {value!r} from {setting.source}; valid values are {valid}"
         )
     index = None
-    if index_text:
+    if ":" in value:
         if not index_text.isdigit():
             raise pytest.UsageError(
                 f"Invalid gradref device {value!r} from {setting.source}: the index after ':' "

@@ -1,0 +1,52 @@
+"""Shared set-up for the pytester-driven tests of pytest-gradref.
+
+pytester itself is enabled with ``-p pytester`` in pyproject's addopts (a ``pytest_plugins``
+line is not allowed in a conftest below the rootdir).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch._dynamo  # see the note below
+
+# In-process pytester runs drop every module a run imported once the run ends. The first
+# torch.func transform imports torch._dynamo, which imports Triton when it is installed and
+# wraps torch.manual_seed so that its next call re-imports torch._dynamo; a second in-process
+# run would then import Triton's nanobind extension again, which aborts the interpreter.
+# Importing torch._dynamo here, once, keeps all of it loaded across runs.
+
+# The same holds for the hundreds of modules the first grad_and_value call loads, some of which
+# register operator libraries that refuse a second registration: load them once, here too.
+torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
+
+GRADREF_ENV = ("GRADREF_DEVICE", "GRADREF_STRATEGY", "GRADREF_SEED")
+
+# A conftest for the generated projects: the npu *policy* (grad_and_value by default) placed on
+# CPU tensors, so the NPU code path runs on machines without an NPU. Registering the built-in
+# name is enough to override the built-in: no replace=True, because the built-ins come last.
+NPU_ON_CPU = """
+from pytest_gradref import builtin_backend
+
+def pytest_gradref_register_backends(registry):
+    registry.register(builtin_backend("npu").replace(device_type="cpu", probe=lambda: None))
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_gradref_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings from the outer environment must not leak into the generated runs."""
+    for name in GRADREF_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def npu_on_cpu(pytester: pytest.Pytester) -> Callable[[str], None]:
+    """Write the npu-on-CPU conftest, plus any extra conftest source."""
+
+    def write(extra: str = "") -> None:
+        pytester.makeconftest(NPU_ON_CPU + extra)
+
+    return write

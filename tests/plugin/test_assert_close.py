@@ -1,0 +1,275 @@
+"""Reference.assert_close: what its failures say (the item, the mismatch statistics, and
+where the tolerance came from) and which tolerance is in force."""
+
+from __future__ import annotations
+
+import pytest
+
+FAILURES = """
+import pytest
+import torch
+
+
+def loss(x, w):
+    return (x * w).sum()
+
+
+def inputs():
+    x = torch.ones(2, 3)
+    w = torch.full((2, 3), 2.0)
+    return x, w
+
+
+def test_gradient_of_an_argument(grad_reference):
+    x, w = inputs()
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    grad_w = x.clone()
+    grad_w[0, 1] = 1.5  # the reference has 1.0 there
+    ref.assert_close(torch.tensor(12.0), (w.clone(), grad_w))
+
+
+def test_value(grad_reference):
+    x, w = inputs()
+    ref = grad_reference(loss, x, w)
+    ref.assert_close(torch.tensor(12.5), w.clone())
+
+
+def test_several_items(grad_reference):
+    x, w = inputs()
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    grad_x = w.clone()
+    grad_x[1, 2] = -2.0
+    ref.assert_close(torch.tensor(12.0), (grad_x, x * 1.5))
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((4,), 3.0))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def test_gradient_of_a_parameter(grad_reference):
+    net = Scaled()
+    x = torch.arange(4.0)
+    ref = grad_reference(net, x)
+    grads = {"weight": torch.tensor([0.0, 1.0, 2.0, 3.001])}
+    ref.assert_close(torch.tensor(18.0), torch.full((4,), 3.0), param_grads=grads)
+
+
+def test_missing_gradient(grad_reference):
+    x, w = inputs()
+    ref = grad_reference(loss, x, w)
+    ref.assert_close(torch.tensor(12.0), [None])
+
+
+def test_wrong_shape(grad_reference):
+    x, w = inputs()
+    ref = grad_reference(loss, x, w)
+    ref.assert_close(torch.tensor(12.0), torch.full((3,), 2.0))
+
+
+@pytest.mark.gradref(rtol=0.0, atol=1e-9)
+def test_tolerance_from_marker(grad_reference):
+    x = torch.ones(3, dtype=torch.float64)
+    ref = grad_reference(lambda t: t.sum(), x)
+    ref.assert_close(torch.tensor(3.0, dtype=torch.float64), x * (1 + 1e-8))
+
+
+@pytest.mark.gradref(rtol=1e-9)
+def test_rtol_from_marker_atol_from_table(grad_reference):
+    x = torch.ones(3)
+    ref = grad_reference(lambda t: t.sum(), x)
+    ref.assert_close(torch.tensor(3.0), x * 1.01)
+
+
+def test_tolerance_from_arguments(grad_reference):
+    x = torch.ones(3)
+    ref = grad_reference(lambda t: t.sum(), x)
+    ref.assert_close(torch.tensor(3.0), x * 1.01, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gradref(rtol=1e-3)
+def test_arguments_over_marker(grad_reference):
+    x = torch.ones(3)
+    ref = grad_reference(lambda t: t.sum(), x)
+    ref.assert_close(torch.tensor(3.0), x * 1.01, atol=1e-4)
+
+
+def test_less_precise_dtype_decides(grad_reference):
+    x = torch.ones(4)
+    ref = grad_reference(lambda t: t.sum(), x)
+    ref.assert_close(torch.tensor(4.0), (x * 1.1).to(torch.bfloat16))
+"""
+
+TEST_ID = "test_assert_close_failure_messages"
+
+
+def test_assert_close_failure_messages(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(**{TEST_ID: FAILURES})
+    result = pytester.runpytest("--gradref-device=cpu")
+    result.assert_outcomes(failed=11)
+    header = "E * Reference mismatch (cpu backend, autograd reference): "
+    f32 = "E * tolerance rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32"
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_gradient_of_an_argument _*",
+            header + "1 of 3 items differ",
+            "E * - gradient of argument 1 (w):",
+            "E * Tensor-likes are not close!",
+            "E * Mismatched elements: 1 / 6 (16.7%)",
+            "E * Greatest absolute difference: 0.5 at index (0, 1) (up to 1e-05 allowed)",
+            "E * Greatest relative difference: 0.5 at index (0, 1) (up to 1.3e-06 allowed)",
+            f32,
+            "*_ test_value _*",
+            header + "1 of 2 items differ",
+            "E * - value:",
+            "E * Scalars are not close!",
+            "E * Expected 12.0 but got 12.5.",
+            "E * Absolute difference: 0.5 (up to 1e-05 allowed)",
+            "E * Relative difference: 0.041666* (up to 1.3e-06 allowed)",
+            f32,
+            "*_ test_several_items _*",
+            header + "2 of 3 items differ",
+            "E * - gradient of argument 0 (x):",
+            "E * Mismatched elements: 1 / 6 (16.7%)",
+            "E * Greatest absolute difference: 4.0 at index (1, 2) *",
+            "E * - gradient of argument 1 (w):",
+            "E * Mismatched elements: 6 / 6 (100.0%)",
+            "*_ test_gradient_of_a_parameter _*",
+            header + "1 of 3 items differ",
+            "E * - gradient of parameter 'weight':",
+            "E * Mismatched elements: 1 / 4 (25.0%)",
+            "E * Greatest absolute difference: 0.00099* at index (3,) (up to 1e-05 allowed)",
+            f32,
+            "*_ test_missing_gradient _*",
+            header + "1 of 2 items differ",
+            "E * - gradient of argument 0 (x):",
+            "E * None: did backward() reach it?",
+            "*_ test_wrong_shape _*",
+            "E * - gradient of argument 0 (x):",
+            "E * shape (3,) differs from the reference's (2, 3)",
+            "*_ test_tolerance_from_marker _*",
+            "E * Greatest absolute difference: 9.99999*e-09 at index (0,) (up to 1e-09 allowed)",
+            "E * tolerance rtol=0, atol=1e-09 from the test's @pytest.mark.gradref marker",
+            "*_ test_rtol_from_marker_atol_from_table _*",
+            "E * tolerance rtol=1e-09, atol=1e-05 from rtol from the test's @pytest.mark.gradref "
+            "marker, atol from torch.testing's default for float32",
+            "*_ test_tolerance_from_arguments _*",
+            "E * tolerance rtol=0.001, atol=0.0001 from the assert_close() arguments",
+            "*_ test_arguments_over_marker _*",
+            "E * tolerance rtol=0.001, atol=0.0001 from rtol from the test's "
+            "@pytest.mark.gradref marker, atol from the assert_close() arguments",
+            "*_ test_less_precise_dtype_decides _*",
+            "E * tolerance rtol=0.016, atol=1e-05 from torch.testing's default for bfloat16",
+        ]
+    )
+    # Items that match are not listed.
+    result.stdout.no_fnmatch_line("E * - value:*1 / 6*")
+
+
+def test_failing_items_only_are_listed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import torch
+
+def test_one_bad(grad_reference):
+    x, w = torch.ones(3), torch.ones(3)
+    ref = grad_reference(lambda a, b: (a * b).sum(), x, w, argnums=(0, 1))
+    ref.assert_close(torch.tensor(3.0), (w, w * 2))
+"""
+    )
+    result = pytester.runpytest("--gradref-device=cpu")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E * 1 of 3 items differ", "E * - gradient of argument 1 (b):"])
+    result.stdout.no_fnmatch_line("E * - value:")
+    result.stdout.no_fnmatch_line("E * - gradient of argument 0 (a):")
+
+
+def test_tolerances_in_force(pytester: pytest.Pytester) -> None:
+    # What passes shows the tolerance too: loosened by the marker, by the arguments and by
+    # the backend's table; a difference within torch's default passes untouched.
+    pytester.makeconftest(
+        """
+from pytest_gradref import Tolerance, builtin_backend
+
+def pytest_gradref_register_backends(registry):
+    registry.register(builtin_backend("npu").replace(device_type="cpu", probe=lambda: None))
+    registry.register(
+        builtin_backend("cpu").replace(
+            name="loose", tolerances={"float32": Tolerance(rtol=0.05, atol=0.0)}
+        )
+    )
+"""
+    )
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+
+
+def make(grad_reference):
+    x = torch.ones(3)
+    return x, grad_reference(lambda t: (t * t).sum(), x)
+
+
+def test_within_default(grad_reference):
+    x, ref = make(grad_reference)
+    ref.assert_close(torch.tensor(3.0), 2 * x * (1 + 1e-7))
+
+
+@pytest.mark.gradref(rtol=0.02)
+def test_marker_loosens(grad_reference):
+    x, ref = make(grad_reference)
+    ref.assert_close(torch.tensor(3.0), 2 * x * 1.01)
+
+
+def test_arguments_loosen(grad_reference):
+    x, ref = make(grad_reference)
+    ref.assert_close(torch.tensor(3.0), 2 * x * 1.01, rtol=0.02)
+
+
+def test_table(grad_reference, gradref_backend):
+    x, ref = make(grad_reference)
+    if gradref_backend.name == "loose":
+        ref.assert_close(torch.tensor(3.0), 2 * x * 1.04)
+    else:
+        with pytest.raises(AssertionError, match="from torch.testing's default for float32"):
+            ref.assert_close(torch.tensor(3.0), 2 * x * 1.04)
+
+
+def test_table_message(grad_reference, gradref_backend):
+    x, ref = make(grad_reference)
+    with pytest.raises(AssertionError) as failure:
+        ref.assert_close(torch.tensor(3.0), 2 * x * 1.5)
+    name = gradref_backend.name
+    if name == "loose":
+        expected = "tolerance rtol=0.05, atol=0 from the loose backend's float32 table"
+    else:
+        expected = "tolerance rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32"
+    assert expected in str(failure.value)
+    assert f"Reference mismatch ({name} backend, {ref.strategy} reference)" in str(failure.value)
+"""
+    )
+    for device in ("cpu", "loose", "npu"):
+        pytester.runpytest(f"--gradref-device={device}").assert_outcomes(passed=5)
+
+
+def test_actual_grads_must_line_up(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+
+def test_line_up(grad_reference):
+    x, w = torch.ones(3), torch.ones(3)
+    ref = grad_reference(lambda a, b: (a * b).sum(), x, w, argnums=(0, 1))
+    with pytest.raises(ValueError, match="actual_grads has 1 entries but the reference has 2"):
+        ref.assert_close(torch.tensor(3.0), (w,))
+    with pytest.raises(TypeError, match="this reference holds 2 gradient"):
+        ref.assert_close(torch.tensor(3.0))
+"""
+    )
+    pytester.runpytest("--gradref-device=cpu").assert_outcomes(passed=1)

@@ -1,0 +1,279 @@
+"""Device and strategy selection: every source, the precedence between them, the header line.
+
+Precedence, highest first: marker (strategy only), command line, environment variable, ini
+key, backend default. Which strategy ran is asserted on ``Reference.strategy`` inside the
+generated tests (on CPU both strategies give bit-identical numbers), which device was chosen
+on ``gradref_backend.name``; the outer test checks the header line that names each source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+# The generated test asserts the backend and strategy it was told to expect through
+# EXPECT_BACKEND / EXPECT_STRATEGY (set by the outer test with monkeypatch).
+EXPECTING = """
+import os
+
+import torch
+
+
+def test_expected(grad_reference, gradref_backend, gradref_device):
+    assert gradref_backend.name == os.environ["EXPECT_BACKEND"]
+    assert gradref_device == torch.device("cpu")
+    ref = grad_reference(lambda x: (x * x).sum(), torch.randn(3))
+    assert ref.strategy == os.environ["EXPECT_STRATEGY"]
+    assert ref.backend == os.environ["EXPECT_BACKEND"]
+"""
+
+CLI = "the --gradref-device option"
+ENV = "the GRADREF_DEVICE environment variable"
+INI = "the gradref_device ini key in tox.ini"
+S_CLI = "from the --gradref-strategy option"
+S_ENV = "from the GRADREF_STRATEGY environment variable"
+S_INI = "from the gradref_strategy ini key in tox.ini"
+
+
+def _configure(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    cli: str | None,
+    env: str | None,
+    ini: str | None,
+    option: str,
+) -> list[str]:
+    """Set one setting from the given sources; return the command-line arguments."""
+    name = option.replace("-", "_")
+    if ini is not None:
+        pytester.makeini(f"[pytest]\ngradref_{name} = {ini}\n")
+    if env is not None:
+        monkeypatch.setenv(f"GRADREF_{name.upper()}", env)
+    return [] if cli is None else [f"--gradref-{option}={cli}"]
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "ini", "backend", "source"),
+    [
+        pytest.param("npu", None, None, "npu", CLI, id="cli"),
+        pytest.param(None, "npu", None, "npu", ENV, id="env"),
+        pytest.param(None, None, "npu", "npu", INI, id="ini"),
+        pytest.param("cpu", "npu", "npu", "cpu", CLI, id="cli-over-env-and-ini"),
+        pytest.param("npu", "cpu", None, "npu", CLI, id="cli-over-env"),
+        pytest.param("npu", None, "cpu", "npu", CLI, id="cli-over-ini"),
+        pytest.param(None, "cpu", "npu", "cpu", ENV, id="env-over-ini"),
+        pytest.param(None, "npu", "cpu", "npu", ENV, id="env-over-ini-2"),
+    ],
+)
+def test_device_sources_and_precedence(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    npu_on_cpu: Callable[[str], None],
+    cli: str | None,
+    env: str | None,
+    ini: str | None,
+    backend: str,
+    source: str,
+) -> None:
+    # Two backends that both run here: cpu (autograd) and the npu policy on CPU tensors
+    # (grad_and_value), so the chosen device shows in the strategy that ran as well.
+    npu_on_cpu("")
+    pytester.makepyfile(EXPECTING)
+    args = _configure(pytester, monkeypatch, cli=cli, env=env, ini=ini, option="device")
+    strategy = "grad_and_value" if backend == "npu" else "autograd"
+    monkeypatch.setenv("EXPECT_BACKEND", backend)
+    monkeypatch.setenv("EXPECT_STRATEGY", strategy)
+    result = pytester.runpytest(*args)
+    label = "npu:0 on cpu" if backend == "npu" else "cpu"
+    result.stdout.fnmatch_lines(
+        [f"gradref: device={label} (*; from {source}) strategy={strategy} ({backend} default)*"]
+    )
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("cli", "env", "ini", "strategy", "source"),
+    [
+        pytest.param("grad_and_value", None, None, "grad_and_value", S_CLI, id="cli"),
+        pytest.param(None, "grad_and_value", None, "grad_and_value", S_ENV, id="env"),
+        pytest.param(None, None, "grad_and_value", "grad_and_value", S_INI, id="ini"),
+        pytest.param(None, None, None, "autograd", "cpu default", id="backend-default"),
+        pytest.param(
+            "autograd", "grad_and_value", "grad_and_value", "autograd", S_CLI, id="cli-over-all"
+        ),
+        pytest.param(None, "autograd", "grad_and_value", "autograd", S_ENV, id="env-over-ini"),
+        pytest.param(
+            None, "grad_and_value", "autograd", "grad_and_value", S_ENV, id="env-over-ini-2"
+        ),
+        # An explicit auto on a higher source restores the backend default.
+        pytest.param("auto", "grad_and_value", None, "autograd", "cpu default", id="cli-auto"),
+        pytest.param(None, "auto", "grad_and_value", "autograd", "cpu default", id="env-auto"),
+    ],
+)
+def test_strategy_sources_and_precedence(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    cli: str | None,
+    env: str | None,
+    ini: str | None,
+    strategy: str,
+    source: str,
+) -> None:
+    pytester.makepyfile(EXPECTING)
+    args = _configure(pytester, monkeypatch, cli=cli, env=env, ini=ini, option="strategy")
+    monkeypatch.setenv("EXPECT_BACKEND", "cpu")
+    monkeypatch.setenv("EXPECT_STRATEGY", strategy)
+    result = pytester.runpytest("--gradref-device=cpu", *args)
+    result.stdout.fnmatch_lines([f"gradref: device=cpu (*) strategy={strategy} ({source})*"])
+    result.assert_outcomes(passed=1)
+
+
+def test_ini_key_in_pyproject(pytester: pytest.Pytester) -> None:
+    pytester.makepyprojecttoml(
+        """
+[tool.pytest.ini_options]
+gradref_device = "cpu"
+gradref_strategy = "grad_and_value"
+"""
+    )
+    pytester.makepyfile(
+        """
+import torch
+
+def test_it(grad_reference, gradref_backend):
+    assert gradref_backend.name == "cpu"
+    assert grad_reference(lambda x: x.sum(), torch.ones(2)).strategy == "grad_and_value"
+"""
+    )
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: device=cpu (*; from the gradref_device ini key in pyproject.toml) "
+            "strategy=grad_and_value (from the gradref_strategy ini key in pyproject.toml)*"
+        ]
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_marker_strategy_beats_every_other_source(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makeini("[pytest]\ngradref_strategy = crosscheck\n")
+    monkeypatch.setenv("GRADREF_STRATEGY", "crosscheck")
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+
+def loss(x):
+    return (x * x).sum()
+
+@pytest.mark.gradref(strategy="autograd")
+def test_marker_autograd(grad_reference):
+    ref = grad_reference(loss, torch.randn(3))
+    assert ref.strategy == "autograd"
+    assert ref.crosscheck is None
+
+def test_unmarked_follows_the_command_line(grad_reference):
+    ref = grad_reference(loss, torch.randn(3))
+    assert ref.strategy == "grad_and_value"
+    assert ref.crosscheck is None
+
+@pytest.mark.gradref(strategy="autograd")
+class TestClassMarker:
+    def test_inherits_the_class_marker(self, grad_reference):
+        assert grad_reference(loss, torch.randn(3)).strategy == "autograd"
+
+    @pytest.mark.gradref(strategy="crosscheck")
+    def test_closest_marker_wins(self, grad_reference):
+        ref = grad_reference(loss, torch.randn(3))
+        assert ref.strategy == "autograd"  # crosscheck reports the backend default
+        assert ref.crosscheck is not None
+
+@pytest.mark.parametrize(
+    "expected",
+    [
+        pytest.param("autograd", marks=pytest.mark.gradref(strategy="autograd")),
+        pytest.param("grad_and_value", marks=pytest.mark.gradref(strategy="grad_and_value")),
+    ],
+)
+def test_param_markers(grad_reference, expected):
+    assert grad_reference(loss, torch.randn(3)).strategy == expected
+"""
+    )
+    # The command line beats the environment and the ini key (both crosscheck here) and the
+    # cpu default (autograd); the marker beats the command line.
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-strategy=grad_and_value")
+    result.stdout.fnmatch_lines(
+        ["gradref: device=cpu (*) strategy=grad_and_value (from the --gradref-strategy option)*"]
+    )
+    result.assert_outcomes(passed=6)
+
+
+def test_auto_device_header_lists_unavailable_backends(pytester: pytest.Pytester) -> None:
+    # A backend that auto tries first and that is never available: it must appear in the
+    # header with its reason, whatever the machine (with or without a GPU).
+    pytester.makeconftest(
+        """
+from pytest_gradref import Backend
+
+def pytest_gradref_register_backends(registry):
+    registry.register(
+        Backend(name="widget", device_type="cpu", auto_rank=0, probe=lambda: "no widget plugged in")
+    )
+"""
+    )
+    pytester.makepyfile(
+        """
+import torch
+
+def test_auto(gradref_backend, gradref_device):
+    assert gradref_backend.name != "widget"
+    assert gradref_device.type == gradref_backend.device_type
+"""
+    )
+    result = pytester.runpytest()
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: device=* (*; auto: first available) strategy=* (* default)*"
+            "| widget unavailable: no widget plugged in*"
+        ]
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_auto_in_a_fresh_process(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a fresh process torch is not loaded at configure time: auto is resolved lazily,
+    once collection finds a gradref test, and the header still appears (after collection).
+    Environment variables reach it like any user's shell would set them."""
+    pytester.makepyfile(
+        """
+import torch
+
+def test_auto(grad_reference, gradref_backend):
+    ref = grad_reference(lambda x: (x * x).sum(), torch.randn(3))
+    assert ref.strategy == "autograd"
+    assert ref.backend == gradref_backend.name
+"""
+    )
+    # autograd: the cheaper import (a torch.func transform pulls in torch._dynamo).
+    monkeypatch.setenv("GRADREF_STRATEGY", "autograd")
+    result = pytester.runpytest_subprocess()
+    result.stdout.fnmatch_lines(
+        [
+            "collected 1 item",
+            "gradref: device=* (*; auto: first available) "
+            "strategy=autograd (from the GRADREF_STRATEGY environment variable)*",
+        ]
+    )
+    result.assert_outcomes(passed=1)
+    import torch
+
+    if not torch.cuda.is_available():
+        result.stdout.fnmatch_lines(
+            ["gradref: device=cpu (*)*| cuda unavailable: *; npu unavailable: *"]
+        )

@@ -1,0 +1,88 @@
+"""Runs in fresh processes: loading the plugin stays cheap, and gradref tests pass under
+pytest-xdist (``-n 2``), markers and strategies included."""
+
+from __future__ import annotations
+
+import pytest
+
+RECORD_TORCH = """
+import os
+import sys
+
+
+def test_no_torch(pytestconfig):
+    with open(os.path.join(str(pytestconfig.rootpath), "torch_loaded.txt"), "w") as handle:
+        handle.write(str("torch" in sys.modules))
+    assert pytestconfig.pluginmanager.hasplugin("gradref")
+    assert "torch" not in sys.modules
+"""
+
+
+def test_plugin_loads_without_importing_torch(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No conftest, no gradient test: only the plugin, installed. Settings that need no device
+    # (a strategy, an explicit auto) are parsed without torch too.
+    assert not list(pytester.path.glob("conftest.py"))
+    pytester.makepyfile(RECORD_TORCH)
+    monkeypatch.setenv("GRADREF_STRATEGY", "grad_and_value")
+    result = pytester.runpytest_subprocess("--gradref-device=auto")
+    result.stdout.fnmatch_lines(["plugins:*gradref-*"])
+    result.stdout.no_fnmatch_line("gradref: *")  # no device was resolved, so no header
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "torch_loaded.txt").read_text() == "False"
+
+
+XDIST_TESTS = """
+import pytest
+import torch
+
+
+def loss(x, w):
+    return torch.tanh(x @ w).square().sum()
+
+
+@pytest.mark.parametrize("n", range(4))
+def test_reference(grad_reference, gradref_backend, gradref_device, n):
+    x = torch.randn(n + 2, 3, device=gradref_device)
+    w = torch.randn(3, 2, device=gradref_device)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    assert ref.strategy == gradref_backend.default_strategy
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = loss(xx, ww)
+    out.backward()
+    ref.assert_close(out, (xx.grad, ww.grad))
+
+
+@pytest.mark.gradref(strategy="crosscheck")
+def test_crosscheck(grad_reference, gradref_backend, gradref_device):
+    ref = grad_reference(lambda t: t.exp().sum(), torch.randn(5, device=gradref_device))
+    assert ref.strategy == gradref_backend.default_strategy
+    assert ref.crosscheck is not None
+
+
+@pytest.mark.gradref_xfail("cpu", "cuda", "npu", "xpu", "mps", reason="fails everywhere")
+def test_xfail(grad_reference):
+    assert False
+
+
+@pytest.mark.gradref_skip("cpu", "cuda", "npu", "xpu", "mps", reason="skipped everywhere")
+def test_skip(grad_reference):
+    assert False
+"""
+
+
+def test_under_xdist(pytester: pytest.Pytester) -> None:
+    # One run, as each costs a torch import per process.
+    pytester.makepyfile(XDIST_TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "-rsx")
+    result.assert_outcomes(passed=5, xfailed=1, skipped=1)
+    result.stdout.fnmatch_lines_random(
+        [
+            "XFAIL *::test_xfail - [[]gradref *[]] fails everywhere",
+            "SKIPPED [[]1[]] *: [[]gradref *[]] skipped everywhere",
+        ]
+    )
+    # The controller chooses the device for its workers, so it can and must say which one in
+    # the header, as a serial run does.
+    result.stdout.fnmatch_lines(["gradref: device=* (*; auto: first available) strategy=*"])
