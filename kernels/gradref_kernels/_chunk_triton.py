@@ -1,0 +1,419 @@
+"""Fused Triton row kernel for one chunk of the fused-linear JSD loss.
+
+Same per-chunk contract as ``_chunk_torch.jsd_chunk_``. One program owns one row and streams
+the vocabulary in ``BLOCK_V`` tiles; all math is fp32 in base 2 (``exp2`` is one hardware
+instruction, ``exp`` is that plus a multiply), converted to natural-log units only at the end.
+
+Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
+
+* pass 1 [read 8V]: online log-sum-exp of the scaled student (zero-padded to Vt), of the
+  scaled teacher and, when the hard loss needs it, of the unscaled student.  For beta == 0 and
+  beta == 1 the soft loss is an expectation under T or S, accumulated online in the same pass.
+* pass 2 [read 8V], 0 < beta < 1 only: the soft loss and sum(S * r), r = log S - log M; both
+  need the two final log-sum-exps, so they cannot join pass 1.
+* last pass [read 8V, write 4V (+2V for ``grad_out``)]: the gradient, in place.
+
+So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1}; each pass runs in the
+opposite direction of the one before, so its first tiles may still be in L2. Ignored rows
+only write zeros (4V). Per-row losses go to an (n,) buffer summed by torch: deterministic, no
+atomics, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError as exc:  # reported by triton_unavailable_reason; the torch path still works
+    triton = None
+    _TRITON_IMPORT_ERROR: str | None = f"triton is not importable ({exc})"
+else:
+    _TRITON_IMPORT_ERROR = None
+
+__all__ = ["jsd_chunk_", "triton_unavailable_reason"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+# Largest tile; tuned on an H200 with benchmarks/tune_chunk_triton.py.
+_MAX_BLOCK_V = 2048
+
+# Soft-loss specialisations: the two KL endpoints need one pass less than the general JSD.
+_BETA_0, _BETA_1, _BETA_MIXED = 0, 1, 2
+
+
+if triton is not None:
+    _LOG2E_K = tl.constexpr(_LOG2E)
+    _LN2_K = tl.constexpr(_LN2)
+    # Stands in for -inf in pass 1: below every real logit, yet _NEG - _NEG is 0, not NaN.
+    _NEG = tl.constexpr(-3.0e38)
+
+    @triton.jit
+    def _logaddexp2(a, b, FAST_LOG2: tl.constexpr):
+        # Safe when one side is -inf (a teacher probability of exactly zero).
+        hi = tl.maximum(a, b)
+        x = 1.0 + tl.exp2(tl.minimum(a, b) - hi)
+        # x in [1, 2]: the hardware lg2.approx is within 2e-7 there, and one instruction
+        # instead of libdevice's ~30 keeps the per-element work under the memory time.
+        if FAST_LOG2:
+            return hi + libdevice.fast_log2f(x)
+        return hi + tl.log2(x)
+
+    @triton.jit
+    def _online_lse2(m, d, x):
+        """One tile of an online base-2 log-sum-exp: running max m (scalar), per-lane sums d.
+
+        Returns the new max, the rescaled sums, the factor old sums were rescaled by and the
+        tile's 2**(x - m_new), so callers can rescale their own weighted sums alike.
+        """
+        m_new = tl.maximum(m, tl.max(x, 0))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(x - m_new)
+        return m_new, d * alpha + p, alpha, p
+
+    @triton.jit
+    def _jsd_chunk_kernel(
+        z_ptr,
+        t_ptr,
+        label_ptr,
+        inv_ptr,
+        out_ptr,
+        soft_ptr,
+        hard_ptr,
+        vs,
+        vt,
+        stride_z,
+        stride_t,
+        stride_out,
+        ignore_index,
+        scale2,  # log2(e) / temperature
+        beta,
+        log2_beta,
+        log2_1mbeta,
+        soft_coef,  # d(soft)/dz factor before inv_num_valid, in base-2 units
+        weight_hard,
+        MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
+        HARD: tl.constexpr,
+        SHARE_LSE: tl.constexpr,  # softmax(z) == S (tau == 1, Vt == Vs)
+        WRITE_OUT: tl.constexpr,
+        FAST_LOG2: tl.constexpr,  # compiled for NVIDIA; the CPU interpreter lacks libdevice
+        BLOCK_V: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        z_row = z_ptr + row * stride_z
+        t_row = t_ptr + row * stride_t
+        out_row = out_ptr + row * stride_out
+        offs = tl.arange(0, BLOCK_V)
+        label = tl.load(label_ptr + row)
+
+        if label == ignore_index:
+            zero = tl.zeros([BLOCK_V], tl.float32)
+            for start in range(0, vs, BLOCK_V):
+                cols = start + offs
+                if WRITE_OUT:
+                    tl.store(out_row + cols, zero.to(out_ptr.dtype.element_ty), mask=cols < vs)
+                else:
+                    tl.store(z_row + cols, zero, mask=cols < vs)
+            tl.store(soft_ptr + row, 0.0)
+            if HARD:
+                tl.store(hard_ptr + row, 0.0)
+        else:
+            inv = tl.load(inv_ptr)
+            m_s = _NEG
+            m_t = _NEG
+            m_z = _NEG
+            d_s = tl.zeros([BLOCK_V], tl.float32)
+            d_t = tl.zeros([BLOCK_V], tl.float32)
+            d_z = tl.zeros([BLOCK_V], tl.float32)
+            e = tl.zeros([BLOCK_V], tl.float32)  # beta 0: E_T[t - s] terms; beta 1: E_S[s - t]
+            z_label = 0.0
+            if HARD:
+                # An out-of-range label reads nothing and turns the hard loss into NaN.
+                z_label = tl.load(
+                    z_row + label, mask=(label >= 0) & (label < vs), other=float("nan")
+                )
+
+            # Pass 1: log-sum-exps (and the KL endpoints' expectations).
+            for start in range(0, vt, BLOCK_V):
+                cols = start + offs
+                in_t = cols < vt
+                z = tl.load(z_row + cols, mask=cols < vs, other=0.0)
+                t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
+                # Columns in [vs, vt) keep the student's zero padding; columns past vt drop out.
+                xs = tl.where(in_t, z * scale2, _NEG)
+                xt = tl.where(in_t, t * scale2, _NEG)
+                m_s, d_s, alpha_s, p_s = _online_lse2(m_s, d_s, xs)
+                m_t, d_t, alpha_t, p_t = _online_lse2(m_t, d_t, xt)
+                # Zero-weight terms are masked out before the product, so no 0 * inf.
+                if MODE == 0:
+                    e = e * alpha_t + p_t * tl.where(p_t > 0, xt - xs, 0.0)
+                if MODE == 1:
+                    e = e * alpha_s + p_s * tl.where(p_s > 0, xs - xt, 0.0)
+                if HARD and not SHARE_LSE:
+                    xz = tl.where(cols < vs, z * _LOG2E_K, _NEG)
+                    m_z, d_z, _, _ = _online_lse2(m_z, d_z, xz)
+
+            sum_s = tl.sum(d_s, 0)
+            sum_t = tl.sum(d_t, 0)
+            lse_s = m_s + tl.log2(sum_s)
+            lse_t = m_t + tl.log2(sum_t)
+            lse_z = lse_s
+            if HARD and not SHARE_LSE:
+                lse_z = m_z + tl.log2(tl.sum(d_z, 0))
+
+            # The gradient's row constant: KL for beta in {0, 1}, sum(S * r) for the mixture.
+            k = 0.0
+            if MODE == 0:
+                soft2 = tl.sum(e, 0) / sum_t - lse_t + lse_s  # KL(T || S)
+            elif MODE == 1:
+                k = tl.sum(e, 0) / sum_s - lse_s + lse_t  # KL(S || T)
+                soft2 = k
+            else:
+                # Pass 2: JSD terms; needs both final log-sum-exps.
+                acc_s = tl.zeros([BLOCK_V], tl.float32)
+                acc_t = tl.zeros([BLOCK_V], tl.float32)
+                # Backwards, so the first tiles re-read are the ones pass 1 read last and the
+                # L2 cache may still hold; the last pass then runs forwards for the same reason.
+                last_t = (vt - 1) // BLOCK_V * BLOCK_V
+                for i in range(0, vt, BLOCK_V):
+                    cols = last_t - i + offs
+                    in_t = cols < vt
+                    z = tl.load(z_row + cols, mask=cols < vs, other=0.0)
+                    t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
+                    ls = z * scale2 - lse_s
+                    lt = t * scale2 - lse_t
+                    lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
+                    s = tl.exp2(ls)
+                    q = tl.exp2(lt)
+                    acc_s += tl.where(in_t, s * (ls - lm), 0.0)
+                    # A zero teacher probability adds 0, never 0 * -inf.
+                    acc_t += q * tl.where(in_t & (q > 0), lt - lm, 0.0)
+                k = tl.sum(acc_s, 0)
+                soft2 = beta * tl.sum(acc_t, 0) + (1.0 - beta) * k
+            tl.store(soft_ptr + row, soft2 * _LN2_K * inv)
+            if HARD:
+                tl.store(hard_ptr + row, (lse_z * _LN2_K - z_label) * inv)
+
+            # Last pass: the gradient, written over the logits (padding columns have none).
+            g_soft = soft_coef * inv
+            g_hard = weight_hard * inv
+            last_s = (vs - 1) // BLOCK_V * BLOCK_V
+            for i in range(0, vs, BLOCK_V):
+                cols = (i if MODE == 2 else last_s - i) + offs
+                in_s = cols < vs
+                z = tl.load(z_row + cols, mask=in_s, other=0.0)
+                t = tl.load(t_row + cols, mask=in_s, other=0.0).to(tl.float32)
+                ls = z * scale2 - lse_s
+                lt = t * scale2 - lse_t
+                s = tl.exp2(ls)
+                if MODE == 0:
+                    g = g_soft * (s - tl.exp2(lt))
+                elif MODE == 1:
+                    g = g_soft * s * (ls - lt - k)
+                else:
+                    lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
+                    g = g_soft * s * (ls - lm - k)
+                if HARD:
+                    p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
+                    g += g_hard * (p - tl.where(cols == label, 1.0, 0.0))
+                if WRITE_OUT:
+                    tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=in_s)
+                else:
+                    tl.store(z_row + cols, g, mask=in_s)
+
+
+def _compiled() -> bool:
+    """False when TRITON_INTERPRET=1 was set as the kernels were defined."""
+    return isinstance(_jsd_chunk_kernel, triton.JITFunction)
+
+
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """None when ``jsd_chunk_`` can run on tensors on ``device``, else why it cannot."""
+    if _TRITON_IMPORT_ERROR is not None:
+        return _TRITON_IMPORT_ERROR
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu":
+        if not _compiled():
+            return None
+        return (
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before "
+            "gradref_kernels._chunk_triton is imported"
+        )
+    return (
+        f"the Triton chunk kernel runs on cuda (or cpu under TRITON_INTERPRET=1), not {device.type}"
+    )
+
+
+def _default_config(vt: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of vt columns."""
+    block_v = min(_MAX_BLOCK_V, triton.next_power_of_2(vt))
+    return block_v, 8 if block_v >= 2048 else 4
+
+
+def _launch(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    inv_num_valid: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    weight_hard: float,
+    weight_soft: float,
+    compute_hard: bool,
+    grad_out: Tensor | None,
+    block_v: int,
+    num_warps: int,
+) -> tuple[Tensor, Tensor]:
+    """``jsd_chunk_`` with an explicit launch configuration (for tests and tuning)."""
+    n, vs = student_logits.shape
+    vt = teacher_logits.shape[1]
+    _check(student_logits, teacher_logits, labels, inv_num_valid, beta, temperature, grad_out)
+    soft_rows = torch.empty(n, dtype=torch.float32, device=student_logits.device)
+    hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
+    if n > 0:
+        mode = _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
+        # d(soft)/dz in base-2 units: the mixture and beta = 1 gradients carry a log, beta = 0 not.
+        soft_coef = weight_soft / temperature
+        if mode == _BETA_1:
+            soft_coef *= _LN2
+        elif mode == _BETA_MIXED:
+            soft_coef *= _LN2 * (1.0 - beta)
+        out = student_logits if grad_out is None else grad_out
+        _jsd_chunk_kernel[(n,)](
+            student_logits,
+            teacher_logits,
+            labels,
+            inv_num_valid,
+            out,
+            soft_rows,
+            hard_rows,
+            vs,
+            vt,
+            student_logits.stride(0),
+            teacher_logits.stride(0),
+            out.stride(0),
+            ignore_index,
+            _LOG2E / temperature,
+            beta,
+            math.log2(beta) if beta > 0.0 else 0.0,
+            math.log2(1.0 - beta) if beta < 1.0 else 0.0,
+            soft_coef,
+            weight_hard,
+            MODE=mode,
+            HARD=compute_hard,
+            SHARE_LSE=temperature == 1.0 and vt == vs,
+            WRITE_OUT=grad_out is not None,
+            FAST_LOG2=_compiled() and torch.version.hip is None,
+            BLOCK_V=block_v,
+            num_warps=num_warps,
+        )
+    soft = soft_rows.sum()
+    hard = hard_rows.sum() if compute_hard else torch.zeros_like(soft)
+    return soft, hard
+
+
+def _check(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    inv_num_valid: Tensor,
+    beta: float,
+    temperature: float,
+    grad_out: Tensor | None,
+) -> None:
+    """Shape, dtype and layout checks; metadata only, so no host synchronisation."""
+    if student_logits.dtype != torch.float32 or not teacher_logits.is_floating_point():
+        raise TypeError(
+            "jsd_chunk_ needs fp32 student logits and floating teacher logits, got student "
+            f"{student_logits.dtype} and teacher {teacher_logits.dtype}"
+        )
+    if student_logits.dim() != 2 or teacher_logits.dim() != 2:
+        raise ValueError("student_logits and teacher_logits must be 2-D (rows, vocabulary)")
+    n, vs = student_logits.shape
+    if teacher_logits.shape[0] != n or teacher_logits.shape[1] < vs:
+        raise ValueError(
+            f"teacher_logits {tuple(teacher_logits.shape)} must have the student's {n} rows and "
+            f"at least its {vs} columns"
+        )
+    if not (student_logits.is_contiguous() and teacher_logits.is_contiguous()):
+        raise ValueError("student_logits and teacher_logits must be contiguous")
+    if labels.shape != (n,) or labels.dtype != torch.int64:
+        raise ValueError(
+            f"labels must be int64 of shape ({n},), got {labels.dtype} {tuple(labels.shape)}"
+        )
+    if inv_num_valid.dim() != 0 or inv_num_valid.dtype != torch.float32:
+        raise ValueError("inv_num_valid must be a 0-dim fp32 tensor")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must lie in [0, 1], got {beta}")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if grad_out is not None and (
+        grad_out.shape != (n, vs) or grad_out.stride(1) != 1 or not grad_out.is_floating_point()
+    ):
+        raise ValueError(
+            f"grad_out must be a floating ({n}, {vs}) tensor with unit column stride, got "
+            f"{grad_out.dtype} {tuple(grad_out.shape)} strides {grad_out.stride()}"
+        )
+    tensors = (student_logits, teacher_logits, labels, inv_num_valid) + (
+        () if grad_out is None else (grad_out,)
+    )
+    if len({t.device for t in tensors}) > 1:
+        raise ValueError(
+            f"all tensors must be on one device, got {[str(t.device) for t in tensors]}"
+        )
+
+
+def jsd_chunk_(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    inv_num_valid: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    weight_hard: float,
+    weight_soft: float,
+    compute_hard: bool,
+    grad_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Loss and logit gradient of one chunk; the Triton twin of ``_chunk_torch.jsd_chunk_``.
+
+    student_logits: (n, Vs) fp32 contiguous raw student logits, bias included; OVERWRITTEN with
+    dLoss/dlogits, Loss = weight_soft * soft + weight_hard * hard, each divided by the global
+    valid-row count (inv_num_valid: 0-dim fp32 tensor = 1 / max(1, valid rows in the batch)).
+    Rows whose label == ignore_index get zero gradient. teacher_logits: (n, Vt) contiguous,
+    Vt >= Vs, fp32 or the matmul dtype (read as fp32); the scaled student logits are
+    zero-padded to Vt as Liger-Kernel does, so padded columns take part in the student softmax
+    but get no gradient. labels: (n,) int64.
+    grad_out: optional (n, Vs) buffer (e.g. bf16, the matmul dtype) that receives the gradient
+    *instead* of student_logits (left as it was), saving the following matmuls a cast pass
+    and the row a 4-byte write per column.
+
+    Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses times
+    inv_num_valid (hard_sum is zero when not compute_hard).
+    """
+    block_v, num_warps = _default_config(teacher_logits.shape[-1])
+    return _launch(
+        student_logits,
+        teacher_logits,
+        labels,
+        inv_num_valid,
+        beta=beta,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        weight_hard=weight_hard,
+        weight_soft=weight_soft,
+        compute_hard=compute_hard,
+        grad_out=grad_out,
+        block_v=block_v,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,694 @@
+"""Chunked fused-linear JSD distillation loss: the functional, the module and the autograd Function.
+
+A drop-in for Liger-Kernel's ``liger_fused_linear_jsd`` / ``LigerFusedLinearJSDLoss`` (same
+argument names, order, defaults and semantics) that never materialises the full ``(N, V)``
+logits: rows are processed ``chunk_size`` at a time, and the gradients with respect to the
+student's input, weight and bias are computed during the forward pass from the closed-form
+gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
+
+Per chunk of ``n`` rows: student and teacher logits in float32 (float64 for float64 inputs),
+the per-chunk math overwrites the student logits with dLoss/dlogits, then
+``grad_input = dZ @ W`` and ``grad_weight += dZ^T @ X`` in the weight dtype, summed over chunks
+in float32. Besides its inputs and gradients, a call holds at most three ``(n, V)`` float32
+buffers at a time, low-precision matmul results included (four when the teacher's vocabulary
+is larger than the student's); nothing grows with N. The gradient of the weight is
+accumulated in a float32 ``(V, H)`` buffer (the gradient itself for float32 weights).
+Nothing reads a tensor value on the host, except the label check on CPU.
+
+Where this differs from Liger-Kernel 0.8.5, on purpose:
+
+- chunks hold exactly ``chunk_size`` rows (Liger splits into ``N // chunk_size`` chunks, so
+  its chunks can be almost twice as large); the loss does not depend on the chunking;
+- logits, softmax and loss are float32 whatever the input dtype (Liger takes the log-softmax
+  of bfloat16 logits), and the weight gradient is accumulated in float32 (Liger: in bfloat16);
+- ``backward`` scales by ``grad_output`` on the device, without Liger's host sync. float16
+  cannot hold the per-row gradients of a mean over many rows (they underflow before a loss
+  scaler's factor arrives), so its gradients wait at the scale of the summed loss (the
+  weight's in float32) and backward applies 1/num_valid as well;
+- the soft and hard losses returned with ``return_soft_hard_loss`` are detached (logging only);
+- inputs may have leading batch dimensions, ``(B, T, H)`` with labels ``(B, T)``;
+- labels outside ``[0, V)`` other than ``ignore_index`` are rejected;
+- the soft loss, and the teacher's matmul, are skipped when it is neither weighted nor
+  returned, as Liger skips the hard loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+from torch import Tensor
+
+from . import _chunk_torch
+
+__all__ = ["FusedLinearJSDLoss", "fused_linear_jsd"]
+
+ChunkFn = Callable[..., tuple[Tensor, Tensor]]
+LossOutput = Union[Tensor, tuple[Tensor, Tensor, Tensor]]
+
+_IMPLEMENTATIONS = ("auto", "torch", "triton")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_options(
+    beta: float, temperature: float, ignore_index: int, chunk_size: int, implementation: str
+) -> None:
+    """Checks of the scalar options, shared by the functional and the module constructor."""
+    if not isinstance(temperature, (int, float)) or not (
+        temperature > 0 and math.isfinite(temperature)
+    ):
+        raise ValueError(
+            f"temperature must be a positive finite number, got {temperature!r}; "
+            "use 1.0 for unscaled logits"
+        )
+    if not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(
+            f"beta must be in [0, 1], got {beta!r}; 0 is KL(teacher||student), "
+            "1 is KL(student||teacher), 0.5 the symmetric JSD"
+        )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {', '.join(map(repr, _IMPLEMENTATIONS))}, "
+            f"got {implementation!r}"
+        )
+
+
+def _check_tensors(tensors: dict[str, Tensor | None]) -> None:
+    """Types, devices, dtypes and shapes; no tensor value is read."""
+    for name, tensor in tensors.items():
+        optional = name.endswith("_bias")
+        if not isinstance(tensor, Tensor) and not (optional and tensor is None):
+            kind = "a torch.Tensor or None" if optional else "a torch.Tensor"
+            raise TypeError(f"{name} must be {kind}, got {type(tensor).__name__}")
+    given = {name: t for name, t in tensors.items() if t is not None}
+
+    devices = {t.device for t in given.values()}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {t.device}" for name, t in given.items())
+        raise ValueError(f"all tensors must be on one device, got {where}; move them with .to()")
+
+    labels = given.pop("true_labels")
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise TypeError(
+            f"true_labels must be an integer tensor of class indices (torch.long), "
+            f"got {labels.dtype}"
+        )
+    for name, t in given.items():
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if len({t.dtype for t in given.values()}) > 1:
+        dtypes = ", ".join(f"{name} {t.dtype}" for name, t in given.items())
+        raise TypeError(
+            f"mixed floating dtypes: {dtypes}; cast the inputs, weights and biases to one dtype"
+        )
+
+    x, w = tensors["student_input"], tensors["student_weight"]
+    xt, wt = tensors["teacher_input"], tensors["teacher_weight"]
+    assert x is not None
+    assert w is not None
+    assert xt is not None
+    assert wt is not None
+    for name, t in (("student_weight", w), ("teacher_weight", wt)):
+        if t.dim() != 2 or t.shape[0] == 0:
+            raise ValueError(
+                f"{name} must be 2-D (vocab, hidden) with vocab >= 1, got shape {tuple(t.shape)}"
+            )
+    for name, t in (("student_input", x), ("teacher_input", xt)):
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must be (rows, hidden) or (..., hidden), got shape {tuple(t.shape)}"
+            )
+    for prefix, inp, weight in (("student", x, w), ("teacher", xt, wt)):
+        if inp.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"{prefix}_input has hidden size {inp.shape[-1]} (shape {tuple(inp.shape)}) but "
+                f"{prefix}_weight has shape {tuple(weight.shape)} (vocab, hidden): "
+                f"the last dimension of {prefix}_input must be {weight.shape[1]}"
+            )
+    rows = x.shape[:-1]
+    if xt.shape[:-1] != rows or labels.shape != rows:
+        raise ValueError(
+            "row counts differ: student_input rows "
+            f"{tuple(rows)}, teacher_input rows {tuple(xt.shape[:-1])}, true_labels "
+            f"{tuple(labels.shape)}; they must match (one label per student/teacher row)"
+        )
+    if w.shape[0] > wt.shape[0]:
+        raise ValueError(
+            f"student vocabulary ({w.shape[0]}, student_weight rows) is larger than the "
+            f"teacher's ({wt.shape[0]}, teacher_weight rows); a larger teacher vocabulary is "
+            "supported (the student's logits are zero-padded), a larger student one is not"
+        )
+    for prefix, weight in (("student", w), ("teacher", wt)):
+        bias = tensors[f"{prefix}_bias"]
+        if bias is not None and bias.shape != weight.shape[:1]:
+            raise ValueError(
+                f"{prefix}_bias must have shape ({weight.shape[0]},) to match "
+                f"{prefix}_weight {tuple(weight.shape)}, got {tuple(bias.shape)}"
+            )
+
+
+def _check_label_range(labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Labels must be class indices in [0, vocab) or ``ignore_index``.
+
+    This needs a reduction over the labels, done once per call, before any chunk. On CPU the
+    result is read on the host (no cost: there is nothing to synchronise with) and a bad label
+    raises ValueError. Elsewhere ``torch._assert_async`` checks it on the device without a host
+    sync; a failure surfaces at a later synchronisation (on CUDA as a device-side assert, the
+    failure an out-of-range gather would give anyway, only named). Backends without
+    ``_assert_async`` fall back to the host check, which costs one sync per call.
+    """
+    in_range = ((labels >= 0) & (labels < vocab)) | (labels == ignore_index)
+    all_in_range = in_range.all()
+    if labels.device.type != "cpu":
+        try:
+            torch._assert_async(
+                all_in_range, f"true_labels must be in [0, {vocab}) or equal ignore_index"
+            )
+            return
+        except NotImplementedError:
+            pass
+    if not bool(all_in_range):
+        bad = labels[~in_range]
+        raise ValueError(
+            f"true_labels must be class indices in [0, {vocab}) (the student vocabulary) or "
+            f"equal ignore_index={ignore_index}; found {bad.numel()} other value(s), e.g. "
+            f"{bad[:5].tolist()}"
+        )
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+@functools.cache
+def _import_triton_chunk() -> tuple[Any, str]:
+    """The ``_chunk_triton`` module, or None and why it cannot be imported."""
+    if importlib.util.find_spec("triton") is None:
+        return None, "triton is not installed (pip install 'pytest-gradref[triton]')"
+    try:
+        module = importlib.import_module(f"{__package__}._chunk_triton")
+    except Exception as exc:  # any import failure (no module, no driver, ...) means: not usable
+        return None, f"{__package__}._chunk_triton failed to import: {exc!r}"
+    return module, ""
+
+
+@dataclass(frozen=True)
+class _ChunkKernel:
+    """A per-chunk function and what it can take and give besides the contract's float32.
+
+    ``fused_io``: it reads the teacher logits in the matmul dtype and writes the gradient
+    into a matmul-dtype buffer (``grad_out=``) instead of over the student logits, which saves
+    the cast passes around it (the Triton kernel).
+    """
+
+    fn: ChunkFn
+    fused_io: bool = False
+
+
+def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn | None, str]:
+    """The Triton per-chunk function for these tensors, or None and why it cannot run."""
+    if dtype == torch.float64:
+        return None, "the Triton kernel computes in float32; float64 inputs need 'torch'"
+    module, reason = _import_triton_chunk()
+    if module is None:
+        return None, reason
+    reason = module.triton_unavailable_reason(device)
+    if reason is not None:
+        return None, reason
+    return module.jsd_chunk_, ""
+
+
+@functools.cache
+def _compiled_torch_chunk() -> ChunkFn:
+    # dynamic=True: the last chunk is shorter and N changes between steps; without it every
+    # new row count would recompile.
+    return torch.compile(_chunk_torch.jsd_chunk_, dynamic=True)
+
+
+def _select_chunk_fn(
+    implementation: str, device: torch.device, dtype: torch.dtype, compiled: bool
+) -> _ChunkKernel:
+    """The per-chunk function: Triton where asked for or (for "auto") where it can run, else
+    the portable PyTorch math, compiled with torch.compile on CUDA when ``compiled``."""
+    # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
+    # says it can (e.g. CPU tensors under TRITON_INTERPRET=1, which tests the kernel anywhere).
+    if implementation == "triton" or (implementation == "auto" and device.type == "cuda"):
+        triton_fn, reason = _triton_chunk_fn(device, dtype)
+        if triton_fn is not None:
+            return _ChunkKernel(triton_fn, fused_io=dtype != torch.float32)
+        if implementation == "triton":
+            raise RuntimeError(
+                f"implementation='triton' cannot run: {reason}. "
+                "Use implementation='torch' (portable) or 'auto'."
+            )
+    # Inductor fuses the ~30 elementwise passes of the chunk math into a few kernels on CUDA.
+    # On CPU the compile (tens of seconds) outweighs the gain, and torch-npu's inductor is
+    # immature, so elsewhere `compiled` is accepted for compatibility and has no effect. Under
+    # an outer torch.compile the eager function is traced into the caller's graph instead.
+    if compiled and device.type == "cuda" and not torch.compiler.is_compiling():
+        return _ChunkKernel(_compiled_torch_chunk())
+    return _ChunkKernel(_chunk_torch.jsd_chunk_)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@functools.cache
+def _mixed_matmul(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch multiplies ``dtype`` matrices straight into float32 on this device.
+
+    cuBLAS does (``out_dtype=``, also accumulating into a float32 ``out``): the logits then
+    are never rounded to the input dtype, and the weight gradient accumulates in float32
+    without a separate product and addition. Probed once with a tiny product whose result is
+    checked, since support varies by torch version and backend.
+    """
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device_type)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        product = torch.mm(a, a, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((acc == 3).all()) and product.dtype == torch.float32
+
+
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``x @ weight.T + bias`` as a new ``dtype`` tensor (the matmul dtype or float32/64).
+
+    Low-precision inputs are multiplied in their dtype (every accelerator's fast path), into
+    float32 directly where the device supports it, else rounded and then cast; the bias is
+    added in ``dtype``."""
+    if x.dtype == dtype:
+        return x @ weight.t() if bias is None else torch.addmm(bias, x, weight.t())
+    if _mixed_matmul(x.device.type, x.dtype) and dtype == torch.float32:
+        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    else:
+        logits = (x @ weight.t()).to(dtype)
+    return logits if bias is None else logits.add_(bias)
+
+
+def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in float32 (or float64) and a, b in the matmul dtype."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif _mixed_matmul(a.device.type, a.dtype) and acc.dtype == torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # The product is rounded to the matmul dtype once per chunk; the sum over chunks is
+        # not (a bfloat16 accumulator would lose the small late terms).
+        acc.add_(a @ b)
+
+
+@dataclass
+class _Result:
+    """What the forward pass produces: the losses, and the gradients for grad_output = 1,
+    except for a factor ``pending`` (when not None) that backward applies with grad_output."""
+
+    loss: Tensor
+    soft: Tensor
+    hard: Tensor
+    pending: Tensor | None
+    grad_x: Tensor | None
+    grad_weight: Tensor | None
+    grad_bias: Tensor | None
+
+
+def _chunked_forward(
+    x: Tensor,
+    weight: Tensor,
+    teacher_x: Tensor,
+    teacher_weight: Tensor,
+    labels: Tensor,
+    bias: Tensor | None,
+    teacher_bias: Tensor | None,
+    *,
+    weight_hard: float,
+    weight_soft: float,
+    beta: float,
+    ignore_index: int,
+    temperature: float,
+    chunk_size: int,
+    chunk_kernel: _ChunkKernel,
+    compute_hard: bool,
+    compute_soft: bool,
+    need_grad_x: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+) -> _Result:
+    """Losses and gradients of 2-D inputs, ``chunk_size`` rows at a time."""
+    device = x.device
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # A tensor: reading the count on the host would synchronise.
+    inv_num_valid = (labels != ignore_index).sum().clamp_min(1).to(acc_dtype).reciprocal()
+    # float16 cannot hold the gradient of a mean over many rows: its per-row share underflows
+    # before any loss scale is applied. So float16 runs the chunk math for the summed loss and
+    # backward applies 1/num_valid together with grad_output; other dtypes take the mean's
+    # gradients directly (one rounding less in bfloat16).
+    pending = inv_num_valid if x.dtype == torch.float16 else None
+    row_scale = torch.ones_like(inv_num_valid) if pending is not None else inv_num_valid
+    soft_parts: list[Tensor] = []
+    hard_parts: list[Tensor] = []
+
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=device) if need_grad_x else None
+    # Float32 weights accumulate in place in their gradient, others in a float32 buffer.
+    grad_weight_acc = (
+        torch.zeros(weight.shape, dtype=acc_dtype, device=device) if need_grad_weight else None
+    )
+    grad_bias_acc = (
+        torch.zeros(weight.shape[0], dtype=acc_dtype, device=device) if need_grad_bias else None
+    )
+
+    fused_io = chunk_kernel.fused_io and compute_soft
+    teacher_dtype = x.dtype if fused_io else acc_dtype
+    for start in range(0, x.shape[0], chunk_size):
+        end = min(start + chunk_size, x.shape[0])
+        x_chunk = x[start:end]
+        grad_logits = _logits(x_chunk, weight, bias, acc_dtype)
+        if compute_soft:
+            teacher_logits = _logits(
+                teacher_x[start:end], teacher_weight, teacher_bias, teacher_dtype
+            )
+            extra = {}
+            if fused_io:
+                # The kernel writes dLoss/dlogits here, in the matmul dtype, and leaves the
+                # float32 logits as they were: they are freed right after.
+                extra["grad_out"] = torch.empty_like(grad_logits, dtype=weight.dtype)
+            soft_chunk, hard_chunk = chunk_kernel.fn(
+                grad_logits,
+                teacher_logits,
+                labels[start:end],
+                row_scale,
+                beta=beta,
+                temperature=temperature,
+                ignore_index=ignore_index,
+                weight_hard=weight_hard,
+                weight_soft=weight_soft,
+                compute_hard=compute_hard,
+                **extra,
+            )
+            del teacher_logits  # free it before the gradient matmuls
+            if fused_io:
+                grad_logits = extra.pop("grad_out")
+            soft_parts.append(soft_chunk)
+        else:
+            hard_chunk = _chunk_torch.cross_entropy_chunk_(
+                grad_logits,
+                labels[start:end],
+                row_scale,
+                ignore_index=ignore_index,
+                weight_hard=weight_hard,
+            )
+        hard_parts.append(hard_chunk)
+
+        if grad_bias_acc is not None:
+            grad_bias_acc.add_(grad_logits.sum(dim=0, dtype=acc_dtype))
+        if grad_x is not None or grad_weight_acc is not None:
+            # In the weight's dtype for the matmuls; rebinding frees the float32 copy.
+            grad_logits = grad_logits.to(weight.dtype)
+            if grad_x is not None:
+                torch.mm(grad_logits, weight, out=grad_x[start:end])
+            if grad_weight_acc is not None:
+                _accumulate_product_(grad_weight_acc, grad_logits.t(), x_chunk)
+        del grad_logits  # before the next chunk allocates its own
+
+    def total(parts: list[Tensor]) -> Tensor:
+        # Summed at the end, not in a running float32 scalar.
+        if not parts:
+            return torch.zeros((), dtype=acc_dtype, device=device)
+        summed = _chunk_torch.accurate_sum(torch.stack(parts))
+        return summed if pending is None else summed * pending
+
+    soft, hard = total(soft_parts), total(hard_parts)
+    grad_weight = grad_weight_acc
+    # float16 keeps the float32 sum until backward: its range cannot hold a summed gradient.
+    if grad_weight_acc is not None and pending is None:
+        grad_weight = grad_weight_acc.to(weight.dtype)
+    return _Result(
+        loss=weight_hard * hard + weight_soft * soft,
+        soft=soft,
+        hard=hard,
+        pending=pending,
+        grad_x=grad_x,
+        grad_weight=grad_weight,
+        grad_bias=grad_bias_acc,
+    )
+
+
+class _FusedLinearJSDFunction(torch.autograd.Function):
+    """Forward computes the loss and the student gradients for grad_output = 1 (one pass of
+    matmuls, as Liger-Kernel does); backward only scales them by grad_output."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        teacher_x: Tensor,
+        teacher_weight: Tensor,
+        labels: Tensor,
+        bias: Tensor | None,
+        teacher_bias: Tensor | None,
+        weight_hard: float,
+        weight_soft: float,
+        beta: float,
+        ignore_index: int,
+        temperature: float,
+        chunk_size: int,
+        chunk_kernel: _ChunkKernel,
+        grad_enabled: bool,
+        return_soft_hard_loss: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # needs_input_grad ignores torch.no_grad(), hence grad_enabled from the caller.
+        need = [grad_enabled and flag for flag in ctx.needs_input_grad]
+        compute_hard = weight_hard != 0.0 or return_soft_hard_loss
+        result = _chunked_forward(
+            x,
+            weight,
+            teacher_x,
+            teacher_weight,
+            labels,
+            bias,
+            teacher_bias,
+            weight_hard=weight_hard,
+            weight_soft=weight_soft,
+            beta=beta,
+            ignore_index=ignore_index,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            chunk_kernel=chunk_kernel,
+            compute_hard=compute_hard,
+            compute_soft=weight_soft != 0.0 or return_soft_hard_loss or not compute_hard,
+            need_grad_x=need[0],
+            need_grad_weight=need[1],
+            need_grad_bias=bias is not None and need[5],
+        )
+        ctx.save_for_backward(result.pending, result.grad_x, result.grad_weight, result.grad_bias)
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(result.soft, result.hard)
+        return result.loss, result.soft, result.hard
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
+        pending, *saved = ctx.saved_tensors
+        # A 0-dim product on the device: no host sync, whatever grad_loss is (1, a loss
+        # scale, the gradient flowing from a larger graph).
+        scale = grad_loss if pending is None else grad_loss * pending
+        grads = [
+            None if g is None else (g * scale).to(dtype) for g, dtype in zip(saved, ctx.dtypes)
+        ]
+        return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 10
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def fused_linear_jsd(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    true_labels: Tensor,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    weight_hard_loss: float = 0.5,
+    weight_soft_loss: float = 0.5,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+    compiled: bool = True,
+    chunk_size: int = 1024,
+    return_soft_hard_loss: bool = False,
+    *,
+    implementation: str = "auto",
+) -> LossOutput:
+    """Fused linear layer + JSD knowledge-distillation loss, computed chunk by chunk.
+
+    ``loss = weight_hard_loss * hard + weight_soft_loss * soft`` where, over the rows whose
+    label is not ``ignore_index`` (and divided by their number, at least 1):
+
+    - ``hard`` is the cross-entropy of the unscaled student logits
+      ``student_input @ student_weight.T + student_bias`` against ``true_labels``;
+    - ``soft`` is the generalised Jensen-Shannon divergence of the temperature-scaled
+      distributions, ``beta * KL(T||M) + (1-beta) * KL(S||M)`` with ``M = beta*T + (1-beta)*S``
+      (``beta = 0``: ``KL(T||S)``, ``beta = 1``: ``KL(S||T)``). A teacher vocabulary larger
+      than the student's is allowed: the scaled student logits are padded with zeros to the
+      teacher's width, as Liger-Kernel does (meant for a teacher whose vocabulary is padded).
+
+    Gradients flow to ``student_input``, ``student_weight`` and ``student_bias`` only.
+
+    Args:
+        student_input: ``(N, Hs)`` or ``(..., Hs)`` student hidden states.
+        student_weight: ``(Vs, Hs)`` student LM-head weight.
+        teacher_input: ``(N, Ht)`` or ``(..., Ht)`` teacher hidden states (same leading shape).
+        teacher_weight: ``(Vt, Ht)`` teacher LM-head weight, ``Vt >= Vs``.
+        true_labels: ``(N,)`` or ``(...)`` integer class indices in ``[0, Vs)`` or ``ignore_index``.
+        student_bias: optional ``(Vs,)``.
+        teacher_bias: optional ``(Vt,)``.
+        weight_hard_loss: weight of the hard loss.
+        weight_soft_loss: weight of the soft loss.
+        beta: mixture coefficient of the generalised JSD, in ``[0, 1]``.
+        ignore_index: label of rows left out of both losses.
+        temperature: positive; divides the logits of the soft loss only.
+        compiled: compile the per-chunk PyTorch math with ``torch.compile`` where that pays:
+            on CUDA, when the portable implementation runs there. No effect on CPU, on other
+            devices or with the Triton implementation (already fused). Default True, as Liger.
+        chunk_size: rows per chunk; memory grows with ``chunk_size * V``, not with N.
+        return_soft_hard_loss: also return the soft and hard losses (unweighted). They are
+            detached, for logging: gradients flow through ``loss`` only.
+        implementation: ``"auto"`` (Triton on CUDA when ``gradref_kernels._chunk_triton`` and
+            triton import, else PyTorch), ``"torch"`` or ``"triton"`` (an error saying why
+            when it cannot run). Keyword-only.
+
+    All floating tensors must share one dtype (float16, bfloat16, float32 or float64) and one
+    device. The computation runs in float32 (float64 for float64 inputs).
+
+    Returns:
+        ``loss``, a 0-dim float32 tensor (float64 for float64 inputs), or
+        ``(loss, soft_loss, hard_loss)`` when ``return_soft_hard_loss``.
+
+    Raises:
+        TypeError: a tensor argument is missing, of a non-floating or mixed dtype, or
+            ``true_labels`` is not an integer tensor.
+        ValueError: inconsistent shapes, devices, out-of-range labels or options.
+        RuntimeError: ``implementation="triton"`` cannot run here.
+    """
+    _check_options(beta, temperature, ignore_index, chunk_size, implementation)
+    _check_tensors(
+        {
+            "student_input": student_input,
+            "student_weight": student_weight,
+            "teacher_input": teacher_input,
+            "teacher_weight": teacher_weight,
+            "true_labels": true_labels,
+            "student_bias": student_bias,
+            "teacher_bias": teacher_bias,
+        }
+    )
+    chunk_kernel = _select_chunk_fn(
+        implementation, student_input.device, student_input.dtype, bool(compiled)
+    )
+    labels = true_labels.reshape(-1).long()
+    _check_label_range(labels, student_weight.shape[0], ignore_index)
+    outputs: tuple[Tensor, Tensor, Tensor] = _FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
+        student_input.reshape(-1, student_input.shape[-1]),
+        student_weight,
+        teacher_input.reshape(-1, teacher_input.shape[-1]),
+        teacher_weight,
+        labels,
+        student_bias,
+        teacher_bias,
+        float(weight_hard_loss),
+        float(weight_soft_loss),
+        float(beta),
+        ignore_index,
+        float(temperature),
+        chunk_size,
+        chunk_kernel,
+        torch.is_grad_enabled(),
+        bool(return_soft_hard_loss),
+    )
+    return outputs if return_soft_hard_loss else outputs[0]
+
+
+class FusedLinearJSDLoss(torch.nn.Module):
+    """Module form of :func:`fused_linear_jsd` (drop-in for ``LigerFusedLinearJSDLoss``).
+
+    The options are fixed at construction (and checked there); ``forward`` takes the tensors.
+    See :func:`fused_linear_jsd` for the meaning of every argument.
+    """
+
+    def __init__(
+        self,
+        weight_hard_loss: float = 0.5,
+        weight_soft_loss: float = 0.5,
+        beta: float = 0.5,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+        compiled: bool = True,
+        chunk_size: int = 1024,
+        return_soft_hard_loss: bool = False,
+        *,
+        implementation: str = "auto",
+    ) -> None:
+        super().__init__()
+        _check_options(beta, temperature, ignore_index, chunk_size, implementation)
+        self.weight_hard_loss = weight_hard_loss
+        self.weight_soft_loss = weight_soft_loss
+        self.beta = beta
+        self.ignore_index = ignore_index
+        self.temperature = temperature
+        self.compiled = compiled
+        self.chunk_size = chunk_size
+        self.return_soft_hard_loss = return_soft_hard_loss
+        self.implementation = implementation
+
+    def forward(
+        self,
+        student_input: Tensor,
+        student_weight: Tensor,
+        teacher_input: Tensor,
+        teacher_weight: Tensor,
+        true_labels: Tensor,
+        student_bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
+    ) -> LossOutput:
+        """The loss (or ``(loss, soft_loss, hard_loss)``) of :func:`fused_linear_jsd`."""
+        return fused_linear_jsd(
+            student_input,
+            student_weight,
+            teacher_input,
+            teacher_weight,
+            true_labels,
+            student_bias,
+            teacher_bias,
+            self.weight_hard_loss,
+            self.weight_soft_loss,
+            self.beta,
+            self.ignore_index,
+            self.temperature,
+            self.compiled,
+            self.chunk_size,
+            self.return_soft_hard_loss,
+            implementation=self.implementation,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"weight_hard_loss={self.weight_hard_loss}, weight_soft_loss={self.weight_soft_loss}, "
+            f"beta={self.beta}, ignore_index={self.ignore_index}, "
+            f"temperature={self.temperature}, chunk_size={self.chunk_size}, "
+            f"implementation={self.implementation!r}"
+        )

@@ -1,0 +1,74 @@
+"""Plain-PyTorch reference of the fused-linear JSD distillation loss.
+
+Full logits, eager, differentiable with ``loss.backward()`` and with
+``torch.func.grad_and_value`` alike, and computed in the dtype of its inputs: called with
+float64 tensors it is the golden reference, called with bfloat16 ones it shows what a naive
+same-dtype implementation gets. The tests and the benchmarks compare the kernel with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["jsd_distillation_reference"]
+
+
+def jsd_distillation_reference(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    true_labels: Tensor,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    weight_hard_loss: float = 0.5,
+    weight_soft_loss: float = 0.5,
+    beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``weight_hard_loss * hard + weight_soft_loss * soft`` as a 0-dim tensor of the inputs' dtype.
+
+    Same arguments and semantics as :func:`gradref_kernels.fused_linear_jsd` (inputs of shape
+    ``(..., hidden)``, labels of shape ``(...)``):
+
+    - hard: cross-entropy of the unscaled student logits, rows labelled ``ignore_index`` left out;
+    - soft: ``beta * KL(T||M) + (1-beta) * KL(S||M)`` with ``M = beta*T + (1-beta)*S`` over the
+      temperature-scaled logits (``beta = 0``: ``KL(T||S)``, ``beta = 1``: ``KL(S||T)``), the
+      student's zero-padded to the teacher's vocabulary when that is larger;
+    - both summed over the valid rows and divided by their number (at least 1).
+
+    The teacher's logits are detached: gradients flow to the student's tensors only.
+    """
+    student_logits = F.linear(student_input, student_weight, student_bias)
+    teacher_logits = F.linear(teacher_input, teacher_weight, teacher_bias).detach()
+    vocab = student_logits.shape[-1]
+    student_logits = student_logits.reshape(-1, vocab)
+    teacher_logits = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    labels = true_labels.reshape(-1)
+    valid = labels != ignore_index
+    num_valid = valid.sum().clamp_min(1)
+
+    hard = F.cross_entropy(student_logits, labels, ignore_index=ignore_index, reduction="sum")
+
+    pad = teacher_logits.shape[-1] - vocab
+    log_s = F.log_softmax(F.pad(student_logits / temperature, (0, pad)), dim=-1)
+    log_t = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        per_token = F.kl_div(log_s, log_t, reduction="none", log_target=True)
+    elif beta == 1:
+        per_token = F.kl_div(log_t, log_s, reduction="none", log_target=True)
+    else:
+        log_m = torch.logsumexp(
+            torch.stack([log_s + math.log(1 - beta), log_t + math.log(beta)]), dim=0
+        )
+        per_token = beta * F.kl_div(log_m, log_t, reduction="none", log_target=True) + (
+            1 - beta
+        ) * F.kl_div(log_m, log_s, reduction="none", log_target=True)
+    soft = torch.where(valid, per_token.sum(dim=-1), 0.0).sum()
+
+    return (weight_hard_loss * hard + weight_soft_loss * soft) / num_valid

@@ -1,0 +1,671 @@
+"""The chunked fused-linear JSD loss against the full-logits reference, on the gradref device.
+
+Every comparison with the reference uses an error budget (see BUDGETS): the reference runs in
+the kernel's dtype and in float64 (the golden), and the kernel must be at most a few times as
+far from the golden as the same-dtype reference is, plus one rounding step of the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from gradref_kernels import FusedLinearJSDLoss, _chunk_torch, fused_linear_jsd
+from gradref_kernels.reference import jsd_distillation_reference
+from torch import Tensor
+
+# Error budgets per dtype: the kernel's error against the float64 golden may be at most this
+# many times the same-dtype reference's, plus one rounding step of the dtype (pytest-gradref's
+# floor). Measured on CPU: the largest error of each item over its largest golden magnitude
+# (loss, grad_input, grad_weight, grad_bias), worst case over the cases, and the largest
+# per-case ratio of the kernel's error to the reference's:
+#   bfloat16 (24 test_correctness cases)
+#     kernel     7.3e-5  1.0e-2  1.4e-2  3.5e-3
+#     reference  8.0e-2  2.5e-2  3.0e-2  9.6e-3    ratio  0.31  1.18  1.10  1.00
+#   float16 (test_float16_with_loss_scaling; 9.2e-2 for grad_input with mean-scale gradients)
+#     kernel     2.2e-6  1.4e-3  4.8e-4  3.3e-4
+#     reference  2.0e-3  1.6e-3  7.4e-4  5.9e-4    ratio  1.60  0.91  0.83  0.85
+#   float32 (24 test_correctness cases)
+#     kernel     1.3e-7  1.0e-6  9.6e-7  2.4e-7
+#     reference  2.9e-7  1.1e-6  9.5e-7  2.6e-7    ratio  11.2  1.31  1.66  2.15
+# In bfloat16 and float16 the gradients' error is their own rounding (and that of the logits
+# in bfloat16): no worse than the naive reference's, whose loss is far worse. In float32 both
+# sit at a few rounding steps, the closed-form gradient takes a few more steps than autograd,
+# and the CPU reference sums its cross-entropy in float64 (the ratio of 11 on the loss, which
+# the floor absorbs), so float32 gets a budget of 4.
+BUDGETS = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 4.0}
+pytestmark = pytest.mark.gradref(golden=torch.float64)
+
+LOSS_CONFIGS = [  # temperature, weight_hard_loss, weight_soft_loss, beta
+    (1.0, 0.5, 0.5, 0.5),
+    (2.0, 0.0, 1.0, 0.8),
+    (0.5, 1.0, 0.0, 0.2),
+]
+_EMULATED_BF16 = (
+    "CPUs without native bfloat16 matmuls emulate them: 14 s a case on 2 cores (kernel 6 s, "
+    "bfloat16 reference 6 s), 3 minutes for the 12; the small shape covers bfloat16 on CPU"
+)
+SHAPES_AND_DTYPES = [  # (B, T, H, V), dtype
+    pytest.param(
+        (8, 128, 1024, 4096),
+        torch.bfloat16,
+        marks=pytest.mark.gradref_skip("cpu", reason=_EMULATED_BF16),
+        id="8x128x1024x4096-bf16",
+    ),
+    pytest.param((8, 128, 1024, 4096), torch.float32, id="8x128x1024x4096-fp32"),
+    pytest.param((3, 47, 31, 123), torch.bfloat16, id="3x47x31x123-bf16"),
+    pytest.param((3, 47, 31, 123), torch.float32, id="3x47x31x123-fp32"),
+]
+# The small problem of the tests beyond the reference suite: several chunks, odd sizes.
+SMALL = {"rows": 37, "student_hidden": 16, "teacher_hidden": 24, "vocab": 50}
+
+
+def check_against_reference(
+    grad_reference: Any,
+    inputs: Any,
+    loss: Tensor,
+    grads: tuple[Tensor, ...],
+    reference: Callable[..., Tensor] = jsd_distillation_reference,
+    **options: Any,
+) -> None:
+    """The kernel's loss and gradients against ``reference`` on the same inputs, within the
+    error budget of the inputs' dtype."""
+    ref = grad_reference(reference, *inputs.args, argnums=inputs.grad_argnums, **options)
+    ref.assert_close(loss, grads, budget=BUDGETS[inputs.student_input.dtype])
+
+
+# --------------------------------------------------------------------------- reference suite
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 42])
+@pytest.mark.parametrize(
+    ("temperature", "weight_hard_loss", "weight_soft_loss", "beta"), LOSS_CONFIGS
+)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize(("shape", "dtype"), SHAPES_AND_DTYPES)
+def test_correctness(
+    make_jsd_inputs: Any,
+    grad_reference: Any,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    bias: bool,
+    temperature: float,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    beta: float,
+    ignore_index: int,
+) -> None:
+    batch, seq, hidden, vocab = shape
+    inputs = make_jsd_inputs(
+        dtype,
+        rows=batch * seq,
+        student_hidden=hidden // 2,
+        teacher_hidden=hidden,
+        vocab=vocab,
+        bias=bias,
+        ignore_index=ignore_index,
+    )
+    options = {
+        "weight_hard_loss": weight_hard_loss,
+        "weight_soft_loss": weight_soft_loss,
+        "beta": beta,
+        "ignore_index": ignore_index,
+        "temperature": temperature,
+    }
+    loss, grads = inputs.run(FusedLinearJSDLoss(**options))
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "weight_hard_loss", "weight_soft_loss", "beta", "ignore_index"),
+    [(1.0, 0.5, 0.5, 0.5, -100), (2.0, 0.1, 0.9, 0.5, 42)],
+)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("batch", "seq", "hidden", "vocab"), [(2, 2, 8, 8), (9, 7, 41, 41)])
+def test_correctness_functional(
+    make_jsd_inputs: Any,
+    grad_reference: Any,
+    batch: int,
+    seq: int,
+    hidden: int,
+    vocab: int,
+    dtype: torch.dtype,
+    bias: bool,
+    temperature: float,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    beta: float,
+    ignore_index: int,
+) -> None:
+    inputs = make_jsd_inputs(
+        dtype,
+        rows=batch * seq,
+        student_hidden=hidden // 2,
+        teacher_hidden=hidden,
+        vocab=vocab,
+        bias=bias,
+        ignore_index=ignore_index,
+    )
+    positional = (weight_hard_loss, weight_soft_loss, beta, ignore_index, temperature)
+    # Liger-Kernel's call style: everything positional after the tensors.
+    loss, grads = inputs.run(lambda *tensors: fused_linear_jsd(*tensors, *positional))
+    module_loss, module_grads = inputs.run(FusedLinearJSDLoss(*positional))
+    assert torch.equal(loss, module_loss)
+    for grad, module_grad in zip(grads, module_grads):
+        assert torch.equal(grad, module_grad)
+    options = dict(
+        zip(
+            ["weight_hard_loss", "weight_soft_loss", "beta", "ignore_index", "temperature"],
+            positional,
+        )
+    )
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+# --------------------------------------------------------------------------- beyond it
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("beta", [0.0, 1.0], ids=["KL(T||S)", "KL(S||T)"])
+def test_beta_endpoints(
+    make_jsd_inputs: Any, grad_reference: Any, beta: float, dtype: torch.dtype, temperature: float
+) -> None:
+    inputs = make_jsd_inputs(dtype, **SMALL)
+    options = {"beta": beta, "temperature": temperature}
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=16, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "weight_hard_loss", "weight_soft_loss", "beta"), LOSS_CONFIGS
+)
+def test_float16_with_loss_scaling(
+    make_jsd_inputs: Any,
+    grad_reference: Any,
+    temperature: float,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+    beta: float,
+) -> None:
+    # As under torch.amp.GradScaler: grad_output is a large loss scale (2**12 keeps the
+    # float16 reference's scaled loss finite), and the per-row gradients of a mean over 1024
+    # rows of 2048-way distributions sit far below float16's smallest normal number unless
+    # the kernel keeps them at a larger scale until backward.
+    inputs = make_jsd_inputs(
+        torch.float16, rows=1024, student_hidden=32, teacher_hidden=64, vocab=2048
+    )
+    options = {
+        "weight_hard_loss": weight_hard_loss,
+        "weight_soft_loss": weight_soft_loss,
+        "beta": beta,
+        "temperature": temperature,
+    }
+
+    def scaled(loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        return lambda *args, **kwargs: 2.0**12 * loss_fn(*args, **kwargs)
+
+    loss, grads = inputs.run(scaled(fused_linear_jsd), chunk_size=300, **options)
+    check_against_reference(
+        grad_reference, inputs, loss, grads, reference=scaled(jsd_distillation_reference), **options
+    )
+
+
+@pytest.mark.parametrize("rows", [37, 0], ids=["37-rows", "no-rows"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_all_labels_ignored(make_jsd_inputs: Any, beta: float, rows: int) -> None:
+    inputs = make_jsd_inputs(torch.float32, **{**SMALL, "rows": rows}, ignored_share=1.0)
+    loss_fn = FusedLinearJSDLoss(beta=beta, chunk_size=16, return_soft_hard_loss=True)
+    (loss, soft, hard), grads = _run_with_outputs(loss_fn, inputs)
+    for value in (loss, soft, hard):
+        assert value.item() == 0.0
+    for grad in grads:
+        assert grad.isfinite().all()
+        assert torch.count_nonzero(grad) == 0
+
+
+def _run_with_outputs(
+    loss_fn: Callable[..., tuple[Tensor, ...]], inputs: Any
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Like JSDInputs.run for a loss function that returns (loss, soft, hard)."""
+    outputs: list[Tensor] = []
+
+    def first(*args: Any) -> Tensor:
+        outputs.extend(loss_fn(*args))
+        return outputs[0]
+
+    _, grads = inputs.run(first)
+    return tuple(t.detach() for t in outputs), grads
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 37, 100], ids=["1", "odd", "rows", "more"])
+def test_chunk_size(make_jsd_inputs: Any, grad_reference: Any, chunk_size: int) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    options = {"beta": 0.3, "temperature": 2.0}
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=chunk_size, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+GRAPHS: dict[str, Callable[[Tensor, tuple[Tensor, ...]], Tensor]] = {
+    "loss-times-3.5": lambda loss, args: 3.5 * loss,
+    # grad_output = exp(loss), a tensor, and a second path into student_input
+    "inside-a-graph": lambda loss, args: loss.exp() + args[0].square().mean(),
+}
+
+
+@pytest.mark.parametrize("graph", GRAPHS.values(), ids=GRAPHS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_output(
+    make_jsd_inputs: Any,
+    grad_reference: Any,
+    dtype: torch.dtype,
+    graph: Callable[[Tensor, tuple[Tensor, ...]], Tensor],
+) -> None:
+    inputs = make_jsd_inputs(dtype, **SMALL)
+
+    def in_graph(loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        return lambda *args, **kwargs: graph(loss_fn(*args, **kwargs), args)
+
+    loss, grads = inputs.run(in_graph(fused_linear_jsd), chunk_size=16)
+    check_against_reference(
+        grad_reference, inputs, loss, grads, reference=in_graph(jsd_distillation_reference)
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_teacher_vocabulary_larger(
+    make_jsd_inputs: Any, grad_reference: Any, beta: float, temperature: float
+) -> None:
+    # The student's scaled logits are zero-padded to the teacher's 63 columns.
+    inputs = make_jsd_inputs(torch.float32, **SMALL, teacher_vocab=SMALL["vocab"] + 13)
+    options = {"beta": beta, "temperature": temperature}
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=16, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+@pytest.mark.parametrize(
+    ("weight_hard_loss", "weight_soft_loss"), [(0.5, 0.5), (0.0, 1.0), (1.0, 0.0)]
+)
+def test_return_soft_hard_loss(
+    make_jsd_inputs: Any, weight_hard_loss: float, weight_soft_loss: float
+) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    options = {"beta": 0.3, "temperature": 1.5, "chunk_size": 16}
+    loss_fn = FusedLinearJSDLoss(
+        weight_hard_loss, weight_soft_loss, return_soft_hard_loss=True, **options
+    )
+    (loss, soft, hard), grads = _run_with_outputs(loss_fn, inputs)
+    _, plain_grads = inputs.run(FusedLinearJSDLoss(weight_hard_loss, weight_soft_loss, **options))
+
+    assert loss.dtype == soft.dtype == hard.dtype == torch.float32
+    assert torch.equal(loss, weight_hard_loss * hard + weight_soft_loss * soft)
+    # Both losses are computed even at weight 0, since they are asked for.
+    golden = [a.double() if a is not None and a.is_floating_point() else a for a in inputs.args]
+    for value, weights in ((soft, (0.0, 1.0)), (hard, (1.0, 0.0))):
+        expected = jsd_distillation_reference(*golden, *weights, beta=0.3, temperature=1.5)
+        torch.testing.assert_close(value.double(), expected, rtol=1e-6, atol=0.0)
+    # Returning them leaves the gradients alone, up to rounding: with weight_soft_loss = 0 the
+    # plain call skips the soft loss and computes the hard one on its own code path.
+    for grad, plain in zip(grads, plain_grads):
+        torch.testing.assert_close(grad, plain, rtol=1e-6, atol=1e-6 * plain.abs().max().item())
+
+
+def test_soft_and_hard_losses_are_detached(make_jsd_inputs: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    student_input = inputs.student_input.requires_grad_(True)
+    loss, soft, hard = fused_linear_jsd(*inputs.args, return_soft_hard_loss=True)
+    assert loss.requires_grad
+    assert not soft.requires_grad
+    assert not hard.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(soft, student_input)
+
+
+def test_non_contiguous_inputs(make_jsd_inputs: Any, grad_reference: Any) -> None:
+    base = make_jsd_inputs(torch.float32, **SMALL)
+
+    def transposed(t: Tensor) -> Tensor:  # same values, column-major (dense, so clone keeps it)
+        return t.t().contiguous().t()
+
+    def strided(t: Tensor) -> Tensor:  # same values, every other element of a larger tensor
+        wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    inputs = base.replace(
+        student_input=transposed(base.student_input),
+        student_weight=transposed(base.student_weight),
+        teacher_input=strided(base.teacher_input),
+        teacher_weight=transposed(base.teacher_weight),
+        true_labels=strided(base.true_labels),
+        teacher_bias=strided(base.teacher_bias),
+    )
+    assert not any(t.is_contiguous() for t in inputs.args if t is not None and t.dim() == 2)
+    assert not inputs.true_labels.is_contiguous()
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=16)
+    check_against_reference(grad_reference, inputs, loss, grads)
+
+
+def test_leading_batch_dimensions(make_jsd_inputs: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **{**SMALL, "rows": (3, 11)})
+    flat = inputs.replace(
+        student_input=inputs.student_input.flatten(0, 1),
+        teacher_input=inputs.teacher_input.flatten(0, 1),
+        true_labels=inputs.true_labels.flatten(),
+    )
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=16)
+    flat_loss, flat_grads = flat.run(fused_linear_jsd, chunk_size=16)
+    assert grads[0].shape == inputs.student_input.shape
+    assert torch.equal(loss, flat_loss)
+    for grad, flat_grad in zip(grads, flat_grads):
+        assert torch.equal(grad.reshape(flat_grad.shape), flat_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bitwise_deterministic(make_jsd_inputs: Any, beta: float, dtype: torch.dtype) -> None:
+    inputs = make_jsd_inputs(dtype, **SMALL)
+    first = inputs.run(fused_linear_jsd, beta=beta, chunk_size=16)
+    second = inputs.run(fused_linear_jsd, beta=beta, chunk_size=16)
+    assert torch.equal(first[0], second[0])
+    for a, b in zip(first[1], second[1]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_gradcheck(make_jsd_inputs: Any, beta: float) -> None:
+    # The kernel's own gradient against finite differences of its own loss, independent of
+    # the reference: float64, so on the CPU whatever the gradref device (a property of the
+    # math; float64 support varies between accelerators).
+    inputs = make_jsd_inputs(
+        torch.float64,
+        device=torch.device("cpu"),
+        rows=6,
+        student_hidden=3,
+        teacher_hidden=4,
+        vocab=5,
+        teacher_vocab=7,
+        ignored_share=0.3,
+        seed=1,
+    )
+    leaves = [inputs.args[i].clone().requires_grad_(True) for i in inputs.grad_argnums]
+
+    def loss(student_input: Tensor, student_weight: Tensor, student_bias: Tensor) -> Tensor:
+        return fused_linear_jsd(
+            *inputs.replace(
+                student_input=student_input,
+                student_weight=student_weight,
+                student_bias=student_bias,
+            ).args,
+            weight_hard_loss=0.3,
+            weight_soft_loss=0.7,
+            beta=beta,
+            temperature=0.8,
+            chunk_size=4,
+        )
+
+    assert torch.autograd.gradcheck(loss, tuple(leaves))
+
+
+def test_no_grad_and_frozen_weight(make_jsd_inputs: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    loss, (grad_input, _, _) = inputs.run(fused_linear_jsd, chunk_size=16)
+    with torch.no_grad():
+        no_grad_loss = fused_linear_jsd(*inputs.args, chunk_size=16)
+    assert not no_grad_loss.requires_grad
+    assert torch.equal(no_grad_loss, loss)
+    # A frozen LM head (e.g. under LoRA): only the input gets a gradient, the same one.
+    student_input = inputs.student_input.clone().requires_grad_(True)
+    frozen_loss = fused_linear_jsd(*inputs.replace(student_input=student_input).args, chunk_size=16)
+    frozen_loss.backward()
+    assert torch.equal(frozen_loss.detach(), loss)
+    assert torch.equal(student_input.grad, grad_input)
+    assert inputs.student_weight.grad is None
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5], ids=["KL(T||S)", "JSD"])
+def test_teacher_with_zero_probabilities(
+    make_jsd_inputs: Any, grad_reference: Any, beta: float
+) -> None:
+    # A teacher bias of -inf masks vocabulary entries (T = 0 exactly): 0 * log 0 must not
+    # become NaN. The reference, which would produce NaN there, gets -1e4 instead: the same
+    # distribution, since exp(-1e4) is 0 even in float64. (beta = 1 is left out: KL(S||T) is
+    # infinite where T = 0.)
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    masked = torch.zeros_like(inputs.teacher_bias, dtype=torch.bool)
+    masked[::3] = True
+    with_inf = inputs.replace(teacher_bias=inputs.teacher_bias.masked_fill(masked, -math.inf))
+    options = {"beta": beta, "temperature": 0.7}
+    loss, grads = with_inf.run(fused_linear_jsd, chunk_size=16, **options)
+    assert loss.isfinite()
+    assert all(grad.isfinite().all() for grad in grads)
+    finite = inputs.replace(teacher_bias=inputs.teacher_bias.masked_fill(masked, -1e4))
+    check_against_reference(grad_reference, finite, loss, grads, **options)
+
+
+def test_integer_label_dtypes(make_jsd_inputs: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    loss, grads = inputs.run(fused_linear_jsd, chunk_size=16)
+    int32 = inputs.replace(true_labels=inputs.true_labels.int())
+    loss32, grads32 = int32.run(fused_linear_jsd, chunk_size=16)
+    assert torch.equal(loss, loss32)
+    for a, b in zip(grads, grads32):
+        assert torch.equal(a, b)
+
+
+_LABELS_ON_DEVICE = (
+    "off the CPU the label range is checked on the device without a host sync "
+    "(torch._assert_async), which reports a failure asynchronously"
+)
+BAD_TENSORS = [
+    pytest.param(
+        lambda t: {"teacher_input": t.teacher_input[:-1]},
+        ValueError,
+        "row counts differ",
+        id="teacher-rows",
+    ),
+    pytest.param(
+        lambda t: {"true_labels": t.true_labels[:-1]},
+        ValueError,
+        "row counts differ",
+        id="label-rows",
+    ),
+    pytest.param(
+        lambda t: {"student_input": t.student_input[:, :-1]},
+        ValueError,
+        "student_input has hidden size",
+        id="student-hidden",
+    ),
+    pytest.param(
+        lambda t: {"teacher_input": t.teacher_input[:, :-1]},
+        ValueError,
+        "teacher_input has hidden size",
+        id="teacher-hidden",
+    ),
+    pytest.param(
+        lambda t: {"teacher_weight": t.teacher_weight[:-1], "teacher_bias": t.teacher_bias[:-1]},
+        ValueError,
+        "student vocabulary",
+        id="student-vocab-larger",
+    ),
+    pytest.param(
+        lambda t: {"student_bias": t.student_bias[:-1]},
+        ValueError,
+        "student_bias must have",
+        id="student-bias-shape",
+    ),
+    pytest.param(
+        lambda t: {"teacher_bias": t.teacher_bias[:, None]},
+        ValueError,
+        "teacher_bias must have",
+        id="teacher-bias-shape",
+    ),
+    pytest.param(
+        lambda t: {"true_labels": t.true_labels.float()},
+        TypeError,
+        "true_labels must be an integer",
+        id="float-labels",
+    ),
+    pytest.param(
+        lambda t: {"true_labels": torch.full_like(t.true_labels, 50)},
+        ValueError,
+        r"true_labels must be class indices in \[0, 50\)",
+        id="label-too-large",
+        marks=pytest.mark.gradref_only("cpu", reason=_LABELS_ON_DEVICE),
+    ),
+    pytest.param(
+        lambda t: {"true_labels": torch.full_like(t.true_labels, -1)},
+        ValueError,
+        "or equal ignore_index=-100",
+        id="label-negative",
+        marks=pytest.mark.gradref_only("cpu", reason=_LABELS_ON_DEVICE),
+    ),
+    pytest.param(
+        lambda t: {"teacher_weight": t.teacher_weight.double()},
+        TypeError,
+        "mixed floating dtypes",
+        id="mixed-dtypes",
+    ),
+    pytest.param(
+        lambda t: {"student_input": t.student_input.long()},
+        TypeError,
+        "student_input must be float16, bfloat16, float32 or float64",
+        id="integer-input",
+    ),
+    pytest.param(
+        lambda t: {"student_input": t.student_input[0]},
+        ValueError,
+        r"student_input must be \(rows, hidden\)",
+        id="one-dimensional-input",
+    ),
+    pytest.param(
+        lambda t: {"student_weight": t.student_weight[None]},
+        ValueError,
+        "student_weight must be 2-D",
+        id="three-dimensional-weight",
+    ),
+    pytest.param(
+        lambda t: {"true_labels": t.true_labels.to("meta")},
+        ValueError,
+        "must be on one device",
+        id="devices",
+    ),
+    pytest.param(
+        lambda t: {"student_input": t.student_input.tolist()},
+        TypeError,
+        "student_input must be a torch.Tensor",
+        id="not-a-tensor",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "match"), BAD_TENSORS)
+def test_rejects_bad_tensors(
+    make_jsd_inputs: Any, change: Callable[[Any], dict[str, Any]], error: type, match: str
+) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    with pytest.raises(error, match=match):
+        fused_linear_jsd(*inputs.replace(**change(inputs)).args)
+
+
+BAD_OPTIONS = [
+    pytest.param({"temperature": 0.0}, ValueError, "temperature must be a positive", id="temp-0"),
+    pytest.param({"temperature": -1.0}, ValueError, "temperature", id="temp-negative"),
+    pytest.param({"beta": -0.1}, ValueError, r"beta must be in \[0, 1\]", id="beta-negative"),
+    pytest.param({"beta": 1.5}, ValueError, r"beta must be in \[0, 1\]", id="beta-above-1"),
+    pytest.param({"chunk_size": 0}, ValueError, "chunk_size must be >= 1", id="chunk-size-0"),
+    pytest.param({"chunk_size": 2.5}, TypeError, "chunk_size must be an int", id="chunk-float"),
+    pytest.param({"ignore_index": -100.0}, TypeError, "ignore_index must be an int", id="index"),
+    pytest.param(
+        {"implementation": "cuda"}, ValueError, "implementation must be one of", id="impl"
+    ),
+]
+
+
+@pytest.mark.parametrize(("options", "error", "match"), BAD_OPTIONS)
+def test_rejects_bad_options(
+    make_jsd_inputs: Any, options: dict[str, Any], error: type, match: str
+) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    with pytest.raises(error, match=match):
+        fused_linear_jsd(*inputs.args, **options)
+    with pytest.raises(error, match=match):  # the module checks them when it is built
+        FusedLinearJSDLoss(**options)
+
+
+def test_unavailable_triton_says_why(make_jsd_inputs: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    on_meta = inputs.replace(**{f: t.to("meta") for f, t in vars(inputs).items()})
+    # The reason depends on the machine (no triton, or no meta support): that there is one.
+    with pytest.raises(RuntimeError, match=r"implementation='triton' cannot run: \S"):
+        fused_linear_jsd(*on_meta.args, implementation="triton")
+    as_float64 = inputs.replace(
+        **{f: t.double() for f, t in vars(inputs).items() if t.is_floating_point()}
+    )
+    with pytest.raises(RuntimeError, match="float64"):
+        fused_linear_jsd(*as_float64.args, implementation="triton")
+
+
+def test_triton_implementation(
+    make_jsd_inputs: Any, grad_reference: Any, gradref_device: torch.device
+) -> None:
+    from gradref_kernels import _chunk_triton
+
+    reason = _chunk_triton.triton_unavailable_reason(gradref_device)
+    if reason is not None:
+        pytest.skip(reason)
+    inputs = make_jsd_inputs(torch.float32, **SMALL, teacher_vocab=SMALL["vocab"] + 5)
+    options = {"beta": 0.3, "temperature": 2.0}
+    loss, grads = inputs.run(fused_linear_jsd, implementation="triton", chunk_size=16, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+@pytest.mark.gradref_xfail("npu", reason="torch-npu's inductor support is immature", strict=False)
+def test_under_torch_compile(make_jsd_inputs: Any, grad_reference: Any) -> None:
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    options = {"beta": 0.3, "temperature": 2.0}
+    # One chunk keeps the compile short: Dynamo unrolls the chunk loop.
+    compiled = torch.compile(fused_linear_jsd)
+    loss, grads = inputs.run(compiled, compiled=True, chunk_size=64, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
+def test_skips_the_loss_nobody_needs(make_jsd_inputs: Any, monkeypatch: Any) -> None:
+    # As Liger does for the hard loss; the soft loss (and the teacher's matmul) likewise.
+    calls: list[str] = []
+    jsd_chunk, ce_chunk = _chunk_torch.jsd_chunk_, _chunk_torch.cross_entropy_chunk_
+
+    def spy_jsd(*args: Any, **kwargs: Any) -> Any:
+        calls.append("jsd+ce" if kwargs["compute_hard"] else "jsd")
+        return jsd_chunk(*args, **kwargs)
+
+    def spy_ce(*args: Any, **kwargs: Any) -> Any:
+        calls.append("ce")
+        return ce_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(_chunk_torch, "jsd_chunk_", spy_jsd)
+    monkeypatch.setattr(_chunk_torch, "cross_entropy_chunk_", spy_ce)
+    inputs = make_jsd_inputs(torch.float32, **SMALL)
+    expected = {
+        (0.0, 1.0, False): "jsd",
+        (0.0, 1.0, True): "jsd+ce",
+        (0.5, 0.5, False): "jsd+ce",
+        (1.0, 0.0, False): "ce",
+        (1.0, 0.0, True): "jsd+ce",
+    }
+    for (weight_hard, weight_soft, both), call in expected.items():
+        calls.clear()
+        fused_linear_jsd(
+            *inputs.args,
+            weight_hard_loss=weight_hard,
+            weight_soft_loss=weight_soft,
+            return_soft_hard_loss=both,
+            compiled=False,
+            implementation="torch",
+        )
+        assert calls == [call], (weight_hard, weight_soft, both)
