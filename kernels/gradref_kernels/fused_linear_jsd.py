@@ -245,7 +245,12 @@ def _select_chunk_fn(
     the portable PyTorch math, compiled with torch.compile on CUDA when ``compiled``."""
     # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
     # says it can (e.g. CPU tensors under TRITON_INTERPRET=1, which tests the kernel anywhere).
-    if implementation == "triton" or (implementation == "auto" and device.type == "cuda"):
+    # Under an outer torch.compile the portable math is traced into the caller's graph: dynamo
+    # does not trace through the Triton kernel's launch reliably.
+    tracing = torch.compiler.is_compiling()
+    if implementation == "triton" or (
+        implementation == "auto" and device.type == "cuda" and not tracing
+    ):
         triton_fn, reason = _triton_chunk_fn(device, dtype)
         if triton_fn is not None:
             return _ChunkKernel(triton_fn, fused_io=dtype != torch.float32)
@@ -258,7 +263,7 @@ def _select_chunk_fn(
     # On CPU the compile (tens of seconds) outweighs the gain, and torch-npu's inductor is
     # immature, so elsewhere `compiled` is accepted for compatibility and has no effect. Under
     # an outer torch.compile the eager function is traced into the caller's graph instead.
-    if compiled and device.type == "cuda" and not torch.compiler.is_compiling():
+    if compiled and device.type == "cuda" and not tracing:
         return _ChunkKernel(_compiled_torch_chunk())
     return _ChunkKernel(_chunk_torch.jsd_chunk_)
 
@@ -600,7 +605,7 @@ def fused_linear_jsd(
     chunk_kernel = _select_chunk_fn(
         implementation, student_input.device, student_input.dtype, bool(compiled)
     )
-    labels = true_labels.reshape(-1).long()
+    labels = true_labels.reshape(-1).long().contiguous()
     _check_label_range(labels, student_weight.shape[0], ignore_index)
     outputs: tuple[Tensor, Tensor, Tensor] = _FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
         student_input.reshape(-1, student_input.shape[-1]),

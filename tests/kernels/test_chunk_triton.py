@@ -281,7 +281,7 @@ def test_rejects_bad_input(device: torch.device) -> None:
         jsd_chunk_(student.double(), teacher, labels, inv, **kwargs)
     with pytest.raises(ValueError, match="at least its 200 columns"):
         jsd_chunk_(student, teacher[:, :100].contiguous(), labels, inv, **kwargs)
-    with pytest.raises(ValueError, match="labels must be int64"):
+    with pytest.raises(ValueError, match="labels must be contiguous int64"):
         jsd_chunk_(student, teacher, labels.int(), inv, **kwargs)
     with pytest.raises(ValueError, match="beta"):
         jsd_chunk_(student, teacher, labels, inv, **{**kwargs, "beta": 1.5})
