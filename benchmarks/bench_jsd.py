@@ -649,6 +649,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.perf_counter()
     if args.device.type == "cuda":
+        if args.device.index is None:
+            args.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(args.device)  # CUDA events record on the current device
     shapes = (
         [SHAPES[name] for name in args.shapes]
