@@ -87,7 +87,8 @@ class ReportCollector:
             terminalreporter.write_line(f"gradref report written to {self.path}")
 
     def summary_lines(self, verbose: bool) -> list[str]:
-        """The tightest items (with -v) and every crosscheck disagreement beyond tolerance."""
+        """Every crosscheck disagreement beyond tolerance, and the tightest items (with -v, or
+        whenever there is such a disagreement, to show how much room the tests had)."""
         lines = []
         exceeding = [
             (record["nodeid"], d)
@@ -102,7 +103,7 @@ class ReportCollector:
                     f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {d['max_abs']:.3g} "
                     f"(relative {d['max_rel']:.3g}); tolerance {d['tolerance']}"
                 )
-        if verbose:
+        if verbose or exceeding:
             items = [
                 (record["nodeid"], item)
                 for record in self.records
