@@ -124,20 +124,22 @@ def test_index(gradref_backend, gradref_device):
 
 
 @pytest.mark.parametrize("value", ["cuda", "cuda:0"])
-def test_unavailable_cuda(pytester: pytest.Pytester, value: str) -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available on this machine")
+def test_unavailable_cuda(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # No visible CUDA device, in a fresh process: a CPU-only build or a hidden GPU alike.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     pytester.makepyfile(NO_TORCH_TEST)
-    result = pytester.runpytest(f"--gradref-device={value}")
+    result = pytester.runpytest_subprocess(f"--gradref-device={value}")
     _usage_error(
         result,
         f"ERROR: gradref device '{value}' from the --gradref-device option is unavailable: "
         "* Install or expose that device, or use --gradref-device=auto to take the first "
         "available one.",
     )
-    # The reason itself, as the cuda probe gives it.
+    # The reason itself, as the cuda probe gives it for this torch build.
+    import torch
+
     if torch.version.cuda is None and torch.version.hip is None:
         result.stderr.fnmatch_lines(["*unavailable: torch * is a CPU-only build.*"])
     else:
