@@ -25,7 +25,7 @@ from pytest_gradref.markers import (
     parse_gradref_mark,
 )
 from pytest_gradref.reference import CheckPolicy, GradReference, Recording, StrategyChoice
-from pytest_gradref.report import REPORT_HELP, ReportCollector, test_record
+from pytest_gradref.report import REPORT_HELP, ReportCollector, record_for_test
 from pytest_gradref.settings import (
     DEVICE_OPTION,
     SEED_OPTION,
@@ -205,7 +205,7 @@ def pytest_runtest_makereport(
     state = _state(item.config)
     if report.when == "call" and recording is not None and state.resolved is not None:
         # A plain attribute travels with the report to the xdist controller.
-        report.__dict__["gradref"] = test_record(
+        report.__dict__["gradref"] = record_for_test(
             report.nodeid, state.resolved, state.seed, recording
         )
     return report

@@ -40,7 +40,9 @@ def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     return {k: _finite(v) for k, v in dataclasses.asdict(obj).items() if k not in drop}
 
 
-def test_record(nodeid: str, setup: Setup, base_seed: int, recording: Recording) -> dict[str, Any]:
+def record_for_test(
+    nodeid: str, setup: Setup, base_seed: int, recording: Recording
+) -> dict[str, Any]:
     """One test's record, made of plain values so it can travel between processes."""
     return {
         "nodeid": nodeid,
@@ -51,9 +53,6 @@ def test_record(nodeid: str, setup: Setup, base_seed: int, recording: Recording)
         "items": [_plain(check, drop=("detail",)) for check in recording.checks],
         "crosscheck": [_plain(d) for d in recording.disagreements],
     }
-
-
-test_record.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
 class ReportCollector:

@@ -1,0 +1,45 @@
+"""What a backend policy does besides choosing a strategy: devices, seeding, synchronize and
+memory statistics, checked on the cpu policy and on a policy with CPU placement."""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_gradref import builtin_backend
+
+
+def test_cpu_policy_operations() -> None:
+    cpu = builtin_backend("cpu")
+    device = cpu.device()
+    assert device == torch.device("cpu")
+    assert cpu.device_count() == 1
+    assert cpu.current_device() == "cpu"
+    assert cpu.memory_stats(device) == {}  # torch tracks no CPU allocations
+    cpu.synchronize(device)  # nothing to wait for, and no error
+    cpu.activate(device)
+    assert cpu.unavailable_reason() is None
+
+
+def test_seed_makes_draws_repeatable_and_distinct() -> None:
+    cpu = builtin_backend("cpu")
+    cpu.seed(123)
+    first = torch.rand(4)
+    cpu.seed(123)
+    assert torch.equal(torch.rand(4), first)
+    cpu.seed(124)
+    assert not torch.equal(torch.rand(4), first)
+
+
+def test_placement_apart_from_policy() -> None:
+    # The npu policy placed on the CPU: npu's strategy and visible-devices variable, CPU
+    # tensors, and a device count the test decides.
+    npu_on_cpu = builtin_backend("npu").replace(
+        device_type="cpu", probe=lambda: None, count_devices=lambda: 3
+    )
+    assert npu_on_cpu.default_strategy == "grad_and_value"
+    assert npu_on_cpu.visible_devices_env == "ASCEND_RT_VISIBLE_DEVICES"
+    assert npu_on_cpu.device_count() == 3
+    assert npu_on_cpu.device(2) == torch.device("cpu")
+    assert npu_on_cpu.memory_stats(torch.device("cpu")) == {}
+    assert npu_on_cpu.unavailable_reason() is None
+    assert builtin_backend("npu").cpu_only_dtypes == frozenset({"float64"})
