@@ -102,11 +102,13 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError as error:  # a plugin registered a name twice, or an invalid policy
         raise pytest.UsageError(f"pytest_gradref_register_backends: {error}") from None
     device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
-    assigned = None
+    xdist_hooks = None
     if config.pluginmanager.hasplugin("xdist"):
-        from pytest_gradref.xdist import worker_device_request
+        from pytest_gradref.xdist import XdistHooks, worker_device_request
 
-        assigned = worker_device_request(config)
+        xdist_hooks = XdistHooks
+        # An xdist worker takes the device its controller chose instead.
+        device_request = worker_device_request(config) or device_request
     strategy_setting = read_setting(config, STRATEGY_OPTION)
     seed = parse_seed(read_setting(config, SEED_OPTION))
     state = GradrefState(
@@ -119,13 +121,10 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[state_key] = state
     config.pluginmanager.register(state.report, "gradref-report")
-    if config.pluginmanager.hasplugin("xdist"):
-        from pytest_gradref.xdist import XdistHooks
-
-        config.pluginmanager.register(XdistHooks(state), "gradref-xdist")
-    if assigned is not None:
-        # An xdist worker takes the device its controller chose, before any test runs.
-        state.device_request = assigned
+    if xdist_hooks is not None:
+        config.pluginmanager.register(xdist_hooks(state), "gradref-xdist")
+    if hasattr(config, "workerinput") and xdist_hooks is not None:
+        # A worker knows its device before any test runs and makes it the current one.
         setup = state.setup()
         setup.backend.activate(setup.device)
     elif device_request.backend is not None or "torch" in sys.modules or _distributing(config):
