@@ -147,10 +147,14 @@ class _Stats:
     max_rel: float
     worst_index: tuple[int, ...]
     has_nan: bool
+    used: float  # greatest share of the tolerance used by one element (0 without one)
 
 
-def _stats(actual: torch.Tensor, expected: torch.Tensor) -> _Stats:
-    """Greatest absolute and relative difference, computed in float64 on expected's device."""
+def _stats(
+    actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance | None = None
+) -> _Stats:
+    """Greatest absolute and relative difference, computed in float64 on expected's device,
+    and with a tolerance the greatest |a - e| / (atol + rtol * |e|)."""
     import torch
 
     a = actual.detach().to(device=expected.device, dtype=torch.float64)
@@ -158,11 +162,16 @@ def _stats(actual: torch.Tensor, expected: torch.Tensor) -> _Stats:
     diff = (a - e).abs()
     has_nan = bool(diff.isnan().any())
     if diff.numel() == 0:
-        return _Stats(0.0, 0.0, (), has_nan)
-    relative = torch.where(diff == 0, torch.zeros_like(diff), diff / e.abs())
+        return _Stats(0.0, 0.0, (), has_nan, 0.0)
+    zero = torch.zeros_like(diff)
+    relative = torch.where(diff == 0, zero, diff / e.abs())
+    used = 0.0
+    if tolerance is not None:
+        allowed = tolerance.atol + tolerance.rtol * e.abs()
+        used = float(torch.where(diff == 0, zero, diff / allowed).max())
     flat = int(diff.nan_to_num(nan=float("inf")).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-    return _Stats(float(diff.max()), float(relative.max()), index, has_nan)
+    return _Stats(float(diff.max()), float(relative.max()), index, has_nan, used)
 
 
 def _shape_problem(label: str, actual: object, expected: torch.Tensor) -> ItemCheck | None:
@@ -193,13 +202,8 @@ def check_tolerance(
     tol = resolved.tolerance
     dtype = dtype_name(less_precise(actual.dtype, expected.dtype))
     criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
-    stats = _stats(actual, expected)
-    a = actual.detach().to(device=expected.device, dtype=torch.float64)
-    e = expected.detach().to(torch.float64)
-    allowed = tol.atol + tol.rtol * e.abs()
-    diff = (a - e).abs()
-    ratio = torch.where(diff == 0, torch.zeros_like(diff), diff / allowed)
-    used = float(ratio.max()) if ratio.numel() else 0.0
+    stats = _stats(actual, expected, tol)
+    used = stats.used
     try:
         torch.testing.assert_close(
             actual.detach(),
