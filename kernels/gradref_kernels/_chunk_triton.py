@@ -11,12 +11,13 @@ Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
   beta == 1 the soft loss is an expectation under T or S, accumulated online in the same pass.
 * pass 2 [read 8V], 0 < beta < 1 only: the soft loss and sum(S * r), r = log S - log M; both
   need the two final log-sum-exps, so they cannot join pass 1.
-* last pass [read 8V, write 4V (+2V for ``grad_out``)]: the gradient, in place.
+* last pass [read 8V, write 4V]: the gradient, over the teacher logits it has just read.
 
-So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1}; each pass runs in the
-opposite direction of the one before, so its first tiles may still be in L2. Ignored rows
-only write zeros (4V). Per-row losses go to an (n,) buffer summed by torch: deterministic, no
-atomics, no host synchronisation.
+So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1} (fp32 teacher; a bf16
+teacher takes 2V per read and per write off); each pass runs in the opposite direction of the
+one before, so its first tiles may still be in L2. Ignored rows only write zeros. Per-row
+losses go to an (n,) buffer summed by torch: deterministic, no atomics, no host
+synchronisation.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ __all__ = ["jsd_chunk_", "triton_unavailable_reason"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Largest tile; tuned on an H200 with benchmarks/tune_chunk_triton.py.
+# Largest tile; tuned on an H200 with benchmarks/tune_chunk.py.
 _MAX_BLOCK_V = 2048
 
 # Soft-loss specialisations: the two KL endpoints need one pass less than the general JSD.
@@ -81,33 +82,28 @@ if triton is not None:
         z_ptr,
         t_ptr,
         label_ptr,
-        inv_ptr,
-        out_ptr,
         soft_ptr,
         hard_ptr,
         vs,
         vt,
         stride_z,
         stride_t,
-        stride_out,
         ignore_index,
         scale2,  # log2(e) / temperature
         beta,
         log2_beta,
         log2_1mbeta,
-        soft_coef,  # d(soft)/dz factor before inv_num_valid, in base-2 units
+        soft_coef,  # d(soft)/dz factor, in base-2 units
         weight_hard,
         MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
         HARD: tl.constexpr,
         SHARE_LSE: tl.constexpr,  # softmax(z) == S (tau == 1, Vt == Vs)
-        WRITE_OUT: tl.constexpr,
         FAST_LOG2: tl.constexpr,  # compiled for NVIDIA; the CPU interpreter lacks libdevice
         BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_z
         t_row = t_ptr + row * stride_t
-        out_row = out_ptr + row * stride_out
         offs = tl.arange(0, BLOCK_V)
         label = tl.load(label_ptr + row)
 
@@ -115,15 +111,11 @@ if triton is not None:
             zero = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vs, BLOCK_V):
                 cols = start + offs
-                if WRITE_OUT:
-                    tl.store(out_row + cols, zero.to(out_ptr.dtype.element_ty), mask=cols < vs)
-                else:
-                    tl.store(z_row + cols, zero, mask=cols < vs)
+                tl.store(t_row + cols, zero.to(t_ptr.dtype.element_ty), mask=cols < vs)
             tl.store(soft_ptr + row, 0.0)
             if HARD:
                 tl.store(hard_ptr + row, 0.0)
         else:
-            inv = tl.load(inv_ptr)
             m_s = _NEG
             m_t = _NEG
             m_z = _NEG
@@ -195,13 +187,12 @@ if triton is not None:
                     acc_t += q * tl.where(in_t & (q > 0), lt - lm, 0.0)
                 k = tl.sum(acc_s, 0)
                 soft2 = beta * tl.sum(acc_t, 0) + (1.0 - beta) * k
-            tl.store(soft_ptr + row, soft2 * _LN2_K * inv)
+            tl.store(soft_ptr + row, soft2 * _LN2_K)
             if HARD:
-                tl.store(hard_ptr + row, (lse_z * _LN2_K - z_label) * inv)
+                tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
-            # Last pass: the gradient, written over the logits (padding columns have none).
-            g_soft = soft_coef * inv
-            g_hard = weight_hard * inv
+            # Last pass: the gradient, written over the teacher logits each tile has just read
+            # (the student's padding columns have none).
             last_s = (vs - 1) // BLOCK_V * BLOCK_V
             for i in range(0, vs, BLOCK_V):
                 cols = (i if MODE == 2 else last_s - i) + offs
@@ -212,19 +203,16 @@ if triton is not None:
                 lt = t * scale2 - lse_t
                 s = tl.exp2(ls)
                 if MODE == 0:
-                    g = g_soft * (s - tl.exp2(lt))
+                    g = soft_coef * (s - tl.exp2(lt))
                 elif MODE == 1:
-                    g = g_soft * s * (ls - lt - k)
+                    g = soft_coef * s * (ls - lt - k)
                 else:
                     lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
-                    g = g_soft * s * (ls - lm - k)
+                    g = soft_coef * s * (ls - lm - k)
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
-                    g += g_hard * (p - tl.where(cols == label, 1.0, 0.0))
-                if WRITE_OUT:
-                    tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=in_s)
-                else:
-                    tl.store(z_row + cols, g, mask=in_s)
+                    g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
+                tl.store(t_row + cols, g.to(t_ptr.dtype.element_ty), mask=in_s)
 
 
 def _compiled() -> bool:
@@ -253,20 +241,21 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 def _default_config(n: int, vt: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for n rows of vt columns.
 
-    From benchmarks/tune_chunk_triton.py on an H200 (V = 128256, bf16 teacher and gradient):
-    2048 x 4 warps is fastest from 512 rows up (0.65 ms for 1024 rows, 80% of the HBM peak);
-    fewer rows leave SMs idle and prefer wider tiles with more warps.
+    From benchmarks/tune_chunk.py on an H200 (V = 128256, bf16 teacher and gradient written
+    over it): 2048 x 8 warps is fastest from 512 rows up (0.59 ms for 1024 rows, 90% of the
+    HBM peak; 4096 x 16 is level at 2048 rows); fewer rows leave SMs idle and prefer wider
+    tiles. A grid of fewer programs than rows, each striding over several (fewer rows in
+    flight, more re-reads from L2), was slower at every size.
     """
     if n < 512:
         return min(2 * _MAX_BLOCK_V, triton.next_power_of_2(vt)), 8
-    return min(_MAX_BLOCK_V, triton.next_power_of_2(vt)), 4
+    return min(_MAX_BLOCK_V, triton.next_power_of_2(vt)), 8
 
 
 def _launch(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
-    inv_num_valid: Tensor,
     *,
     beta: float,
     temperature: float,
@@ -274,14 +263,13 @@ def _launch(
     weight_hard: float,
     weight_soft: float,
     compute_hard: bool,
-    grad_out: Tensor | None,
     block_v: int,
     num_warps: int,
 ) -> tuple[Tensor, Tensor]:
     """``jsd_chunk_`` with an explicit launch configuration (for tests and tuning)."""
     n, vs = student_logits.shape
     vt = teacher_logits.shape[1]
-    _check(student_logits, teacher_logits, labels, inv_num_valid, beta, temperature, grad_out)
+    _check(student_logits, teacher_logits, labels, beta, temperature)
     soft_rows = torch.empty(n, dtype=torch.float32, device=student_logits.device)
     hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
     if n > 0:
@@ -292,20 +280,16 @@ def _launch(
             soft_coef *= _LN2
         elif mode == _BETA_MIXED:
             soft_coef *= _LN2 * (1.0 - beta)
-        out = student_logits if grad_out is None else grad_out
         _jsd_chunk_kernel[(n,)](
             student_logits,
             teacher_logits,
             labels,
-            inv_num_valid,
-            out,
             soft_rows,
             hard_rows,
             vs,
             vt,
             student_logits.stride(0),
             teacher_logits.stride(0),
-            out.stride(0),
             ignore_index,
             _LOG2E / temperature,
             beta,
@@ -316,7 +300,6 @@ def _launch(
             MODE=mode,
             HARD=compute_hard,
             SHARE_LSE=temperature == 1.0 and vt == vs,
-            WRITE_OUT=grad_out is not None,
             FAST_LOG2=_compiled() and torch.version.hip is None,
             BLOCK_V=block_v,
             num_warps=num_warps,
@@ -330,10 +313,8 @@ def _check(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
-    inv_num_valid: Tensor,
     beta: float,
     temperature: float,
-    grad_out: Tensor | None,
 ) -> None:
     """Shape, dtype and layout checks; metadata only, so no host synchronisation."""
     if student_logits.dtype != torch.float32 or not teacher_logits.is_floating_point():
@@ -356,22 +337,11 @@ def _check(
             f"labels must be contiguous int64 of shape ({n},), got {labels.dtype} "
             f"{tuple(labels.shape)} strides {labels.stride()}"
         )
-    if inv_num_valid.dim() != 0 or inv_num_valid.dtype != torch.float32:
-        raise ValueError("inv_num_valid must be a 0-dim fp32 tensor")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1], got {beta}")
     if not temperature > 0.0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    if grad_out is not None and (
-        grad_out.shape != (n, vs) or grad_out.stride(1) != 1 or not grad_out.is_floating_point()
-    ):
-        raise ValueError(
-            f"grad_out must be a floating ({n}, {vs}) tensor with unit column stride, got "
-            f"{grad_out.dtype} {tuple(grad_out.shape)} strides {grad_out.stride()}"
-        )
-    tensors = (student_logits, teacher_logits, labels, inv_num_valid) + (
-        () if grad_out is None else (grad_out,)
-    )
+    tensors = (student_logits, teacher_logits, labels)
     if len({t.device for t in tensors}) > 1:
         raise ValueError(
             f"all tensors must be on one device, got {[str(t.device) for t in tensors]}"
@@ -382,7 +352,6 @@ def jsd_chunk_(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
-    inv_num_valid: Tensor,
     *,
     beta: float,
     temperature: float,
@@ -390,37 +359,33 @@ def jsd_chunk_(
     weight_hard: float,
     weight_soft: float,
     compute_hard: bool,
-    grad_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Loss and logit gradient of one chunk; the Triton twin of ``_chunk_torch.jsd_chunk_``.
 
-    student_logits: (n, Vs) fp32 contiguous raw student logits, bias included; OVERWRITTEN with
-    dLoss/dlogits, Loss = weight_soft * soft + weight_hard * hard, each divided by the global
-    valid-row count (inv_num_valid: 0-dim fp32 tensor = 1 / max(1, valid rows in the batch)).
-    Rows whose label == ignore_index get zero gradient. teacher_logits: (n, Vt) contiguous,
-    Vt >= Vs, fp32 or the matmul dtype (read as fp32); the scaled student logits are
-    zero-padded to Vt as Liger-Kernel does, so padded columns take part in the student softmax
-    but get no gradient. labels: (n,) int64.
-    grad_out: optional (n, Vs) buffer (e.g. bf16, the matmul dtype) that receives the gradient
-    *instead* of student_logits (left as it was), saving the following matmuls a cast pass
-    and the row a 4-byte write per column.
+    student_logits: (n, Vs) fp32 contiguous raw student logits, bias included; left as they
+    are. teacher_logits: (n, Vt) contiguous, Vt >= Vs, fp32 or the matmul dtype (read as fp32);
+    the scaled student logits are zero-padded to Vt as Liger-Kernel does, so padded columns
+    take part in the student softmax but get no gradient. OVERWRITTEN: its first Vs columns
+    receive d(Loss)/dlogits in its dtype, Loss = weight_soft * soft + weight_hard * hard
+    summed over the valid rows; rows whose label == ignore_index get zeros (the contract
+    leaves them unspecified). Each tile is read before the gradient is written over it, so
+    the matmuls that follow take the gradient in their dtype with no buffer and no cast of
+    their own. labels: (n,) int64.
 
-    Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses times
-    inv_num_valid (hard_sum is zero when not compute_hard).
+    Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses summed over its
+    valid rows (hard_sum is zero when not compute_hard).
     """
     block_v, num_warps = _default_config(*teacher_logits.shape)
     return _launch(
         student_logits,
         teacher_logits,
         labels,
-        inv_num_valid,
         beta=beta,
         temperature=temperature,
         ignore_index=ignore_index,
         weight_hard=weight_hard,
         weight_soft=weight_soft,
         compute_hard=compute_hard,
-        grad_out=grad_out,
         block_v=block_v,
         num_warps=num_warps,
     )

@@ -6,14 +6,15 @@ logits: rows are processed ``chunk_size`` at a time, and the gradients with resp
 student's input, weight and bias are computed during the forward pass from the closed-form
 gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
 
-Per chunk of ``n`` rows: student and teacher logits in float32 (float64 for float64 inputs),
-the per-chunk math overwrites the student logits with dLoss/dlogits, then
-``grad_input = dZ @ W`` and ``grad_weight += dZ^T @ X`` in the weight dtype, summed over chunks
-in float32. Besides its inputs and gradients, a call holds at most three ``(n, V)`` float32
-buffers at a time, low-precision matmul results included (four when the teacher's vocabulary
-is larger than the student's); nothing grows with N. The gradient of the weight is
-accumulated in a float32 ``(V, H)`` buffer (the gradient itself for float32 weights).
-Nothing reads a tensor value on the host, except the label check on CPU.
+Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs), the
+teacher logits in the matmul dtype; the per-chunk function (Triton on CUDA, else PyTorch)
+writes dLoss/dlogits over the teacher logits, then ``grad_input = dZ @ W`` and
+``grad_weight += dZ^T @ X`` run in the weight dtype, the latter summed over chunks in float32
+(inside the matmul where the device supports it). Besides its inputs and gradients, a call
+holds one float32 and one matmul-dtype ``(n, V)`` buffer at a time, plus the PyTorch path's
+slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`); nothing grows with N. The
+gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the gradient itself for
+float32 weights). Nothing reads a tensor value on the host, except the label check on CPU.
 
 Where this differs from Liger-Kernel 0.8.5, on purpose:
 
@@ -21,10 +22,11 @@ Where this differs from Liger-Kernel 0.8.5, on purpose:
   its chunks can be almost twice as large); the loss does not depend on the chunking;
 - logits, softmax and loss are float32 whatever the input dtype (Liger takes the log-softmax
   of bfloat16 logits), and the weight gradient is accumulated in float32 (Liger: in bfloat16);
-- ``backward`` scales by ``grad_output`` on the device, without Liger's host sync. float16
-  cannot hold the per-row gradients of a mean over many rows (they underflow before a loss
-  scaler's factor arrives), so its gradients wait at the scale of the summed loss (the
-  weight's in float32) and backward applies 1/num_valid as well;
+- ``backward`` scales by ``grad_output`` on the device, without Liger's host sync. The
+  gradients wait at the scale of the summed loss and backward applies 1/num_valid with
+  ``grad_output`` (float16 could not hold the per-row gradients of a mean over many rows:
+  they would underflow before a loss scaler's factor arrives; its weight gradient waits in
+  float32);
 - the soft and hard losses returned with ``return_soft_hard_loss`` are detached (logging only);
 - inputs may have leading batch dimensions, ``(B, T, H)`` with labels ``(B, T)``;
 - labels outside ``[0, V)`` other than ``ignore_index`` are rejected;
@@ -205,19 +207,6 @@ def _import_triton_chunk() -> tuple[Any, str]:
     return module, ""
 
 
-@dataclass(frozen=True)
-class _ChunkKernel:
-    """A per-chunk function and what it can take and give besides the contract's float32.
-
-    ``fused_io``: it reads the teacher logits in the matmul dtype and writes the gradient
-    into a matmul-dtype buffer (``grad_out=``) instead of over the student logits, which saves
-    the cast passes around it (the Triton kernel).
-    """
-
-    fn: ChunkFn
-    fused_io: bool = False
-
-
 def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn | None, str]:
     """The Triton per-chunk function for these tensors, or None and why it cannot run."""
     if dtype == torch.float64:
@@ -235,12 +224,12 @@ def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn 
 def _compiled_torch_chunk() -> ChunkFn:
     # dynamic=True: the last chunk is shorter and N changes between steps; without it every
     # new row count would recompile.
-    return torch.compile(_chunk_torch.jsd_chunk_, dynamic=True)
+    return torch.compile(_chunk_torch.jsd_chunk_unsliced_, dynamic=True)
 
 
 def _select_chunk_fn(
     implementation: str, device: torch.device, dtype: torch.dtype, compiled: bool
-) -> _ChunkKernel:
+) -> ChunkFn:
     """The per-chunk function: Triton where asked for or (for "auto") where it can run, else
     the portable PyTorch math, compiled with torch.compile on CUDA when ``compiled``."""
     # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
@@ -253,19 +242,19 @@ def _select_chunk_fn(
     ):
         triton_fn, reason = _triton_chunk_fn(device, dtype)
         if triton_fn is not None:
-            return _ChunkKernel(triton_fn, fused_io=dtype != torch.float32)
+            return triton_fn
         if implementation == "triton":
             raise RuntimeError(
                 f"implementation='triton' cannot run: {reason}. "
                 "Use implementation='torch' (portable) or 'auto'."
             )
-    # Inductor fuses the ~30 elementwise passes of the chunk math into a few kernels on CUDA.
+    # Inductor fuses the ~15 elementwise ops of the chunk math into a few kernels on CUDA.
     # On CPU the compile (tens of seconds) outweighs the gain, and torch-npu's inductor is
     # immature, so elsewhere `compiled` is accepted for compatibility and has no effect. Under
     # an outer torch.compile the eager function is traced into the caller's graph instead.
     if compiled and device.type == "cuda" and not tracing:
-        return _ChunkKernel(_compiled_torch_chunk())
-    return _ChunkKernel(_chunk_torch.jsd_chunk_)
+        return _compiled_torch_chunk()
+    return _chunk_torch.jsd_chunk_
 
 
 # --------------------------------------------------------------------------- forward
@@ -305,12 +294,17 @@ def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) 
     return logits if bias is None else logits.add_(bias)
 
 
-def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` in float32 (or float64) and a, b in the matmul dtype."""
+def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` when ``first``, whatever ``acc`` held) with ``acc``
+    in float32 (or float64) and a, b in the matmul dtype."""
+    # beta=0 ignores acc's contents, NaN included: the buffer need not be zeroed first.
+    beta = 0.0 if first else 1.0
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif _mixed_matmul(a.device.type, a.dtype) and acc.dtype == torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+    elif first:
+        acc.copy_(a @ b)
     else:
         # The product is rounded to the matmul dtype once per chunk; the sum over chunks is
         # not (a bfloat16 accumulator would lose the small late terms).
@@ -319,13 +313,13 @@ def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 @dataclass
 class _Result:
-    """What the forward pass produces: the losses, and the gradients for grad_output = 1,
-    except for a factor ``pending`` (when not None) that backward applies with grad_output."""
+    """What the forward pass produces: the losses, and the gradients of the summed loss
+    (grad_output = num_valid), which backward scales by ``inv_num_valid * grad_output``."""
 
     loss: Tensor
     soft: Tensor
     hard: Tensor
-    pending: Tensor | None
+    inv_num_valid: Tensor
     grad_x: Tensor | None
     grad_weight: Tensor | None
     grad_bias: Tensor | None
@@ -346,7 +340,7 @@ def _chunked_forward(
     ignore_index: int,
     temperature: float,
     chunk_size: int,
-    chunk_kernel: _ChunkKernel,
+    chunk_fn: ChunkFn,
     compute_hard: bool,
     compute_soft: bool,
     need_grad_x: bool,
@@ -356,96 +350,95 @@ def _chunked_forward(
     """Losses and gradients of 2-D inputs, ``chunk_size`` rows at a time."""
     device = x.device
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    # A tensor: reading the count on the host would synchronise.
-    inv_num_valid = (labels != ignore_index).sum().clamp_min(1).to(acc_dtype).reciprocal()
-    # float16 cannot hold the gradient of a mean over many rows: its per-row share underflows
-    # before any loss scale is applied. So float16 runs the chunk math for the summed loss and
-    # backward applies 1/num_valid together with grad_output; other dtypes take the mean's
-    # gradients directly (one rounding less in bfloat16).
-    pending = inv_num_valid if x.dtype == torch.float16 else None
-    row_scale = torch.ones_like(inv_num_valid) if pending is not None else inv_num_valid
+    valid = labels != ignore_index
+    # The chunk functions work on the summed loss, so that their elementwise ops scale by
+    # Python numbers only, and 1/num_valid (a device tensor: reading the count on the host
+    # would synchronise) is applied once, to the losses here and to the gradients in backward
+    # together with grad_output. float16 needs this anyway: the per-row gradients of a mean
+    # over many rows underflow in it before a loss scaler's factor arrives.
+    inv_num_valid = valid.sum().clamp_min(1).to(acc_dtype).reciprocal()
+    # The chunk functions leave the logit gradients of ignored rows unspecified; they are
+    # dropped on the small side of the matmuls: zero input rows in the weight gradient's
+    # product, zeroed rows of grad_input.
+    kept_rows = valid.unsqueeze(1).to(x.dtype)
     soft_parts: list[Tensor] = []
     hard_parts: list[Tensor] = []
 
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=device) if need_grad_x else None
-    # Float32 weights accumulate in place in their gradient, others in a float32 buffer.
+    # The weight gradient is summed over chunks in float32. The first chunk overwrites the
+    # buffer, so it needs no zeroing pass, unless there are no rows at all.
+    new_sum = torch.empty if x.shape[0] > 0 else torch.zeros
     grad_weight_acc = (
-        torch.zeros(weight.shape, dtype=acc_dtype, device=device) if need_grad_weight else None
+        new_sum(weight.shape, dtype=acc_dtype, device=device) if need_grad_weight else None
     )
     grad_bias_acc = (
         torch.zeros(weight.shape[0], dtype=acc_dtype, device=device) if need_grad_bias else None
     )
 
-    fused_io = chunk_kernel.fused_io and compute_soft
-    teacher_dtype = x.dtype if fused_io else acc_dtype
     for start in range(0, x.shape[0], chunk_size):
         end = min(start + chunk_size, x.shape[0])
         x_chunk = x[start:end]
-        grad_logits = _logits(x_chunk, weight, bias, acc_dtype)
+        student_logits = _logits(x_chunk, weight, bias, acc_dtype)
         if compute_soft:
-            teacher_logits = _logits(
-                teacher_x[start:end], teacher_weight, teacher_bias, teacher_dtype
-            )
-            extra = {}
-            if fused_io:
-                # The kernel writes dLoss/dlogits here, in the matmul dtype, and leaves the
-                # float32 logits as they were: they are freed right after.
-                extra["grad_out"] = torch.empty_like(grad_logits, dtype=weight.dtype)
-            soft_chunk, hard_chunk = chunk_kernel.fn(
-                grad_logits,
+            # In the matmul dtype: the chunk function reads it in float32 and writes the
+            # gradient over its first Vs columns, ready for the matmuls below.
+            teacher_logits = _logits(teacher_x[start:end], teacher_weight, teacher_bias, x.dtype)
+            soft_chunk, hard_chunk = chunk_fn(
+                student_logits,
                 teacher_logits,
                 labels[start:end],
-                row_scale,
                 beta=beta,
                 temperature=temperature,
                 ignore_index=ignore_index,
                 weight_hard=weight_hard,
                 weight_soft=weight_soft,
                 compute_hard=compute_hard,
-                **extra,
             )
-            del teacher_logits  # free it before the gradient matmuls
-            if fused_io:
-                grad_logits = extra.pop("grad_out")
+            grad_logits = teacher_logits[:, : weight.shape[0]]
             soft_parts.append(soft_chunk)
         else:
             hard_chunk = _chunk_torch.cross_entropy_chunk_(
-                grad_logits,
+                student_logits,
                 labels[start:end],
-                row_scale,
                 ignore_index=ignore_index,
                 weight_hard=weight_hard,
             )
+            grad_logits = student_logits.to(weight.dtype)
+        del student_logits  # free it before the gradient matmuls
         hard_parts.append(hard_chunk)
 
         if grad_bias_acc is not None:
+            # The bias gradient sums the logit gradients themselves: mask them (rarely needed).
+            grad_logits.mul_(kept_rows[start:end])
             grad_bias_acc.add_(grad_logits.sum(dim=0, dtype=acc_dtype))
-        if grad_x is not None or grad_weight_acc is not None:
-            # In the weight's dtype for the matmuls; rebinding frees the float32 copy.
-            grad_logits = grad_logits.to(weight.dtype)
-            if grad_x is not None:
-                torch.mm(grad_logits, weight, out=grad_x[start:end])
-            if grad_weight_acc is not None:
-                _accumulate_product_(grad_weight_acc, grad_logits.t(), x_chunk)
+        if grad_x is not None:
+            torch.mm(grad_logits, weight, out=grad_x[start:end])
+        if grad_weight_acc is not None:
+            x_kept = x_chunk * kept_rows[start:end]
+            _accumulate_product_(grad_weight_acc, grad_logits.t(), x_kept, first=start == 0)
         del grad_logits  # before the next chunk allocates its own
+
+    if grad_x is not None:
+        grad_x.masked_fill_(~valid.unsqueeze(1), 0.0)
 
     def total(parts: list[Tensor]) -> Tensor:
         # Summed at the end, not in a running float32 scalar.
         if not parts:
             return torch.zeros((), dtype=acc_dtype, device=device)
-        summed = _chunk_torch.accurate_sum(torch.stack(parts))
-        return summed if pending is None else summed * pending
+        return _chunk_torch.accurate_sum(torch.stack(parts)) * inv_num_valid
 
     soft, hard = total(soft_parts), total(hard_parts)
     grad_weight = grad_weight_acc
     # float16 keeps the float32 sum until backward: its range cannot hold a summed gradient.
-    if grad_weight_acc is not None and pending is None:
+    # Otherwise the cast happens here, where it frees the float32 sum; on CUDA a plain cast
+    # and a scaling in the parameter's dtype are faster than one op scaling into it.
+    if grad_weight_acc is not None and x.dtype != torch.float16:
         grad_weight = grad_weight_acc.to(weight.dtype)
     return _Result(
         loss=weight_hard * hard + weight_soft * soft,
         soft=soft,
         hard=hard,
-        pending=pending,
+        inv_num_valid=inv_num_valid,
         grad_x=grad_x,
         grad_weight=grad_weight,
         grad_bias=grad_bias_acc,
@@ -472,7 +465,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
         ignore_index: int,
         temperature: float,
         chunk_size: int,
-        chunk_kernel: _ChunkKernel,
+        chunk_fn: ChunkFn,
         grad_enabled: bool,
         return_soft_hard_loss: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -493,26 +486,32 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
             ignore_index=ignore_index,
             temperature=temperature,
             chunk_size=chunk_size,
-            chunk_kernel=chunk_kernel,
+            chunk_fn=chunk_fn,
             compute_hard=compute_hard,
             compute_soft=weight_soft != 0.0 or return_soft_hard_loss or not compute_hard,
             need_grad_x=need[0],
             need_grad_weight=need[1],
             need_grad_bias=bias is not None and need[5],
         )
-        ctx.save_for_backward(result.pending, result.grad_x, result.grad_weight, result.grad_bias)
+        ctx.save_for_backward(
+            result.inv_num_valid, result.grad_x, result.grad_weight, result.grad_bias
+        )
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(result.soft, result.hard)
         return result.loss, result.soft, result.hard
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
-        pending, *saved = ctx.saved_tensors
+        inv_num_valid, *saved = ctx.saved_tensors
         # A 0-dim product on the device: no host sync, whatever grad_loss is (1, a loss
         # scale, the gradient flowing from a larger graph).
-        scale = grad_loss if pending is None else grad_loss * pending
+        scale = grad_loss * inv_num_valid
+        # A multi-tensor kernel reads the 0-dim scale on the device once; ``g * scale`` would
+        # broadcast it through the generic mixed-dtype elementwise path, several times slower
+        # on a bfloat16 weight gradient.
         grads = [
-            None if g is None else (g * scale).to(dtype) for g, dtype in zip(saved, ctx.dtypes)
+            None if g is None else torch._foreach_mul([g], scale)[0].to(dtype)
+            for g, dtype in zip(saved, ctx.dtypes)
         ]
         return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 10
 
@@ -602,7 +601,7 @@ def fused_linear_jsd(
             "teacher_bias": teacher_bias,
         }
     )
-    chunk_kernel = _select_chunk_fn(
+    chunk_fn = _select_chunk_fn(
         implementation, student_input.device, student_input.dtype, bool(compiled)
     )
     labels = true_labels.reshape(-1).long().contiguous()
@@ -621,7 +620,7 @@ def fused_linear_jsd(
         ignore_index,
         float(temperature),
         chunk_size,
-        chunk_kernel,
+        chunk_fn,
         torch.is_grad_enabled(),
         bool(return_soft_hard_loss),
     )

@@ -1,0 +1,224 @@
+"""Check and tune the per-chunk JSD kernels on one CUDA GPU (a few minutes on an H200).
+
+    python benchmarks/tune_chunk.py
+
+1. Correctness at the Llama-3 vocabulary against gradref_kernels.reference in float64 with
+   autograd (the logits-level wrapper of tests/kernels/test_chunk_kernels.py), for the
+   portable PyTorch function and the Triton kernel with their shipped defaults, plus
+   run-to-run bitwise equality.
+2. Triton: a BLOCK_V x num_warps sweep for the configuration the fused loss runs on
+   CUDA (0 < beta < 1, the three-pass case; bf16 teacher logits and gradient). Set
+   _chunk_triton._default_config from its "best" lines.
+3. PyTorch: a sweep of the rows per slice (set _chunk_torch.SLICE_ELEMENTS from it).
+4. Both kernels with their defaults across loss variants.
+
+Timings are triton.testing.do_bench medians (L2 flushed between runs). "GB/s" counts the bytes
+the Triton kernel moves (see the _chunk_triton docstring); "floor" is the time one read of both
+logit blocks plus one gradient write would take at 4.3 TB/s, the least any implementation
+must move. Both kernels write the gradient over the teacher logits, so repeated calls see
+gradients as logits: the data changes, the work does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+from triton.testing import do_bench
+
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(_ROOT / "kernels"), str(_ROOT / "tests" / "kernels")]
+from gradref_kernels import _chunk_torch, _chunk_triton  # noqa: E402
+from test_chunk_kernels import IGNORE, WEIGHT_HARD, WEIGHT_SOFT, reference  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+VOCAB = 128256
+CHUNKS = (1024, 2048)
+# Largest tolerated error, relative to the largest gradient entry / the loss.
+MAX_GRAD_ERR, MAX_LOSS_ERR = 2e-5, 1e-5
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_inputs(n: int, vs: int = VOCAB, vt: int = VOCAB, seed: int = 0) -> Inputs:
+    """Logits like a distillation batch: every 7th label ignored, as in ANCHORS.md."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    student = 2.0 * torch.randn(n, vs, device="cuda", generator=gen)
+    teacher = 2.0 * torch.randn(n, vt, device="cuda", generator=gen)
+    labels = torch.randint(0, vs, (n,), device="cuda", generator=gen)
+    labels[::7] = IGNORE
+    inv = 1.0 / (labels != IGNORE).sum().clamp_min(1).float()
+    return student, teacher, labels, inv
+
+
+def options(beta: float, temperature: float, compute_hard: bool) -> dict[str, object]:
+    return {
+        "beta": beta,
+        "temperature": temperature,
+        "ignore_index": IGNORE,
+        "weight_hard": WEIGHT_HARD,
+        "weight_soft": WEIGHT_SOFT,
+        "compute_hard": compute_hard,
+    }
+
+
+def run_triton(
+    inputs: Inputs, config: tuple[int, int] | None = None, **opts: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if config is None:
+        return _chunk_triton.jsd_chunk_(*inputs, **opts)  # type: ignore[arg-type]
+    block_v, num_warps = config
+    return _chunk_triton._launch(  # type: ignore[arg-type]
+        *inputs, **opts, block_v=block_v, num_warps=num_warps
+    )
+
+
+def run_torch(
+    inputs: Inputs, slice_rows: int | None = -1, **opts: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if slice_rows == -1:  # the shipped default
+        return _chunk_torch.jsd_chunk_(*inputs, **opts)  # type: ignore[arg-type]
+    return _chunk_torch._chunk_(*inputs, slice_rows, **opts)  # type: ignore[arg-type]
+
+
+KERNELS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "torch": run_torch,
+    "triton": run_triton,
+}
+
+
+def check_correctness() -> bool:
+    print("== correctness vs float64 autograd (n = 64; error relative to the largest entry)")
+    ok = True
+    cases = [  # (beta, temperature, compute_hard, vs, vt)
+        (0.0, 2.0, True, VOCAB, VOCAB),
+        (0.5, 2.0, True, VOCAB, VOCAB),
+        (1.0, 2.0, True, VOCAB, VOCAB),
+        (0.5, 1.0, True, VOCAB, VOCAB),
+        (0.3, 1.0, True, 128000, VOCAB),  # teacher vocabulary padded beyond the student's
+    ]
+    for beta, temperature, hard, vs, vt in cases:
+        student, teacher, labels, inv = make_inputs(64, vs, vt, seed=1)
+        ref_grad, ref_soft, ref_hard = reference(
+            student, teacher, labels, beta=beta, temperature=temperature, compute_hard=hard
+        )
+        for name, run in KERNELS.items():
+            outs = [teacher.clone(), teacher.clone()]
+            losses = [
+                run((student, out, labels, inv), **options(beta, temperature, hard)) for out in outs
+            ]
+            grad = outs[0][:, :vs]
+            soft, hard_loss = losses[0]
+            grad_err = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
+            soft_err = abs(soft.item() - ref_soft.item()) / max(abs(ref_soft.item()), 1e-12)
+            hard_err = abs(hard_loss.item() - ref_hard.item()) / max(abs(ref_hard.item()), 1e-12)
+            bitwise = torch.equal(outs[0], outs[1]) and torch.equal(
+                torch.stack(losses[0]), torch.stack(losses[1])
+            )
+            good = grad_err < MAX_GRAD_ERR and max(soft_err, hard_err) < MAX_LOSS_ERR and bitwise
+            ok &= good
+            print(
+                f"  {name:<7} beta={beta} tau={temperature} Vs={vs} Vt={vt}: grad {grad_err:.1e}"
+                f"  soft {soft_err:.1e}  hard {hard_err:.1e}  bitwise-repeatable {bitwise}  "
+                f"{'ok' if good else 'FAIL'}"
+            )
+    return ok
+
+
+def bytes_moved(labels: torch.Tensor, vs: int, vt: int, beta: float) -> int:
+    """HBM traffic of one Triton call (fp32 student, bf16 teacher and gradient), by the pass
+    structure in the _chunk_triton docstring."""
+    ignored = int((labels == IGNORE).sum())
+    valid = labels.numel() - ignored
+    read_pass = 4 * vs + 2 * vt
+    passes = 2 if beta in (0.0, 1.0) else 3
+    reads = passes * read_pass - 2 * (vt - vs)  # the last pass reads Vs of t
+    return valid * (reads + 2 * vs) + ignored * 2 * vs
+
+
+def bench(fn: Callable[[], object]) -> float:
+    fn()  # compile outside the timing
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def report(name: str, n: int, ms: float, moved: int) -> None:
+    floor_ms = n * (4 + 2 + 2) * VOCAB / HBM_BYTES_PER_S * 1e3  # read z, t once, write once
+    gbs = moved / ms / 1e6
+    print(f"  {name:<48} {n:>5} {ms:>8.3f} {gbs:>8.0f} {100 * gbs / 4300:>6.1f}% {floor_ms:>8.3f}")
+
+
+def header(title: str) -> None:
+    print(f"== {title}")
+    print(f"  {'variant':<48} {'n':>5} {'ms':>8} {'GB/s':>8} {'%peak':>7} {'floor':>8}")
+
+
+def bf16_inputs(n: int) -> Inputs:
+    student, teacher, labels, inv = make_inputs(n)
+    return student, teacher.bfloat16(), labels, inv
+
+
+def sweep_triton() -> None:
+    header(f"Triton sweep: beta=0.5, tau=1, hard loss, V={VOCAB}, bf16 teacher and gradient")
+    tiles = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+    for n in CHUNKS:
+        inputs = bf16_inputs(n)
+        moved = bytes_moved(inputs[2], VOCAB, VOCAB, 0.5)
+        timings = {}
+        for config in tiles:
+            run = partial(run_triton, inputs, config, **options(0.5, 1.0, True))
+            timings[config] = bench(run)
+            report(f"BLOCK_V={config[0]} num_warps={config[1]}", n, timings[config], moved)
+        block_v, num_warps = min(timings, key=timings.__getitem__)
+        print(f"  best for n={n}: BLOCK_V={block_v} num_warps={num_warps}")
+
+
+def sweep_torch() -> None:
+    header(f"PyTorch sweep of rows per slice: beta=0.5, tau=1, hard loss, V={VOCAB}, bf16 teacher")
+    for n in CHUNKS:
+        inputs = bf16_inputs(n)
+        moved = bytes_moved(inputs[2], VOCAB, VOCAB, 0.5)
+        for rows in (64, 128, 256, 384, 512, None):
+            ms = bench(partial(run_torch, inputs, rows, **options(0.5, 1.0, True)))
+            report(f"rows per slice {rows or 'all'}", n, ms, moved)
+
+
+def variants_table() -> None:
+    header("both kernels with their shipped defaults")
+    variants = [  # (name, beta, temperature, compute_hard)
+        ("beta=0.5 tau=1 hard", 0.5, 1.0, True),
+        ("beta=0.5 tau=2 hard", 0.5, 2.0, True),
+        ("beta=0.5 tau=1 soft only", 0.5, 1.0, False),
+        ("beta=0 tau=1 hard", 0.0, 1.0, True),
+        ("beta=1 tau=1 hard", 1.0, 1.0, True),
+    ]
+    for n in CHUNKS:
+        inputs = bf16_inputs(n)
+        for name, beta, temperature, hard in variants:
+            moved = bytes_moved(inputs[2], VOCAB, VOCAB, beta)
+            for kernel, run in KERNELS.items():
+                ms = bench(partial(run, inputs, **options(beta, temperature, hard)))
+                report(f"{kernel:<7} {name}", n, ms, moved)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    ok = check_correctness()
+    sections = sys.argv[1:] or ["triton", "torch", "variants"]
+    if "triton" in sections:
+        sweep_triton()
+    if "torch" in sections:
+        sweep_torch()
+    if "variants" in sections:
+        variants_table()
+    print("correctness:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

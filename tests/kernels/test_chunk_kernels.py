@@ -1,0 +1,352 @@
+"""The per-chunk kernels against the float64 full-logits reference, differentiated by autograd.
+
+Every case runs on the portable PyTorch chunk function (in one slice, and in slices of a few
+rows with a partial last one) and on the Triton kernel. The reference builds the loss from its
+definition (log-softmax, KL, cross-entropy), so it shares no algebra with the kernels'
+closed-form gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in
+Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from gradref_kernels import _chunk_torch, _chunk_triton
+from gradref_kernels._chunk_triton import jsd_chunk_, triton_unavailable_reason
+from gradref_kernels.reference import jsd_distillation_reference
+from torch import Tensor
+
+IGNORE = -100
+WEIGHT_HARD, WEIGHT_SOFT = 0.4, 0.7
+# Small tiles so every row spans several tiles and ends in a partial one.
+BLOCK_V = 64
+RTOL = 1e-5
+# Log-space fp32 values of magnitude ~20 carry ~1e-6 absolute error, so gradient entries are
+# compared with an absolute slack relative to the largest one (fp32 torch does no better).
+GRAD_ATOL_SCALE = 2e-5
+LOSS_ATOL = 1e-6
+
+
+# Rows per slice for the "torch-slices" kernel: several slices, the last one partial.
+SLICE_ROWS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKernel:
+    """One per-chunk implementation, called with the test's fixed weights and ignore_index."""
+
+    name: str
+    device: torch.device
+
+    def __call__(
+        self,
+        student: Tensor,
+        teacher: Tensor,
+        labels: Tensor,
+        *,
+        beta: float,
+        temperature: float,
+        compute_hard: bool,
+    ) -> tuple[Tensor, Tensor]:
+        options = {
+            "beta": beta,
+            "temperature": temperature,
+            "ignore_index": IGNORE,
+            "weight_hard": WEIGHT_HARD,
+            "weight_soft": WEIGHT_SOFT,
+            "compute_hard": compute_hard,
+        }
+        if self.name == "triton":
+            return _chunk_triton._launch(
+                student, teacher, labels, block_v=BLOCK_V, num_warps=4, **options
+            )
+        if self.name == "torch-slices":
+            return _chunk_torch._chunk_(student, teacher, labels, SLICE_ROWS, **options)
+        return _chunk_torch.jsd_chunk_(student, teacher, labels, **options)
+
+
+@pytest.fixture(params=["torch", "torch-slices", "triton"])
+def kernel(request: pytest.FixtureRequest, gradref_device: torch.device) -> ChunkKernel:
+    if request.param == "triton":
+        reason = triton_unavailable_reason(gradref_device)
+        if reason is not None:
+            pytest.skip(reason)
+    return ChunkKernel(request.param, gradref_device)
+
+
+@pytest.fixture
+def device(gradref_device: torch.device) -> torch.device:
+    """The device, for the Triton kernel's own tests."""
+    reason = triton_unavailable_reason(gradref_device)
+    if reason is not None:
+        pytest.skip(reason)
+    return gradref_device
+
+
+def make_inputs(
+    device: torch.device,
+    n: int = 6,
+    vs: int = 200,
+    vt: int = 200,
+    ignored: tuple[int, ...] = (1, 4),
+) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1234 + n + vs + vt)
+    student = 2.0 * torch.randn(n, vs, generator=gen)
+    teacher = 2.0 * torch.randn(n, vt, generator=gen)
+    labels = torch.randint(0, vs, (n,), generator=gen)
+    labels[list(ignored)] = IGNORE
+    return student.to(device), teacher.to(device), labels.to(device)
+
+
+def reference(
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    compute_hard: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dLoss/dstudent, soft, hard) of the summed loss (the kernels' convention), in float64
+    from the full-logits reference and autograd.
+
+    The reference takes inputs and weights and divides by the number of valid rows; an
+    identity input with the transposed logits as the weight reproduces the logits, and the
+    weight's gradient is the logits' one, transposed.
+    """
+    eye = torch.eye(student.shape[0], dtype=torch.float64, device=student.device)
+    weight = student.double().T.contiguous().requires_grad_(True)
+
+    def loss(weight_hard: float, weight_soft: float) -> Tensor:
+        return jsd_distillation_reference(
+            eye,
+            weight,
+            eye,
+            teacher.double().T,
+            labels,
+            weight_hard_loss=weight_hard,
+            weight_soft_loss=weight_soft,
+            beta=beta,
+            ignore_index=IGNORE,
+            temperature=temperature,
+        )
+
+    soft = loss(0.0, 1.0)
+    hard = loss(1.0, 0.0) if compute_hard else torch.zeros_like(soft)
+    num_valid = max(1, int((labels != IGNORE).sum()))
+    (num_valid * (WEIGHT_SOFT * soft + WEIGHT_HARD * hard)).backward()
+    assert weight.grad is not None
+    return weight.grad.T, num_valid * soft.detach(), num_valid * hard.detach()
+
+
+def run_kernel(
+    kernel: ChunkKernel,
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    compute_hard: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(gradient, soft, hard) of the kernel; the gradient is written over a copy of the
+    teacher logits, and the student logits must come back untouched. The gradient rows of
+    ignored labels are unspecified: they are zeroed here, as the fused loss drops them."""
+    kept = student.clone()
+    out = teacher.clone()
+    soft, hard = kernel(
+        student, out, labels, beta=beta, temperature=temperature, compute_hard=compute_hard
+    )
+    assert torch.equal(student, kept), "the student logits must be left as they are"
+    vocab_s = student.shape[1]
+    assert torch.equal(out[:, vocab_s:], teacher[:, vocab_s:]), "padding columns must be kept"
+    grad = out[:, :vocab_s]
+    assert grad.isfinite().all(), "every gradient row, ignored ones included, must be finite"
+    return grad.masked_fill((labels == IGNORE).unsqueeze(1), 0.0), soft, hard
+
+
+def assert_close_to_float64(
+    grad: Tensor, soft: Tensor, hard: Tensor, ref_grad: Tensor, ref_soft: Tensor, ref_hard: Tensor
+) -> None:
+    atol = GRAD_ATOL_SCALE * ref_grad.abs().max().item()
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=RTOL, atol=atol)
+    torch.testing.assert_close(soft.double(), ref_soft, rtol=RTOL, atol=LOSS_ATOL)
+    torch.testing.assert_close(hard.double(), ref_hard, rtol=RTOL, atol=LOSS_ATOL)
+
+
+def assert_matches_reference(
+    kernel: ChunkKernel,
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    compute_hard: bool,
+) -> None:
+    kwargs = {"beta": beta, "temperature": temperature, "compute_hard": compute_hard}
+    grad, soft, hard = run_kernel(kernel, student, teacher, labels, **kwargs)
+    ref_grad, ref_soft, ref_hard = reference(student, teacher, labels, **kwargs)
+    assert_close_to_float64(grad, soft, hard, ref_grad, ref_soft, ref_hard)
+    assert soft.dim() == hard.dim() == 0
+
+
+@pytest.mark.parametrize("compute_hard", [True, False], ids=["hard", "soft-only"])
+@pytest.mark.parametrize("temperature", [1.0, 2.0, 0.5])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_matches_float64(
+    kernel: ChunkKernel, beta: float, temperature: float, compute_hard: bool
+) -> None:
+    student, teacher, labels = make_inputs(kernel.device)
+    assert_matches_reference(
+        kernel,
+        student,
+        teacher,
+        labels,
+        beta=beta,
+        temperature=temperature,
+        compute_hard=compute_hard,
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_teacher_vocabulary_larger_pads_student(
+    kernel: ChunkKernel, beta: float, temperature: float
+) -> None:
+    # At temperature 1 the hard loss's log-sum-exp must leave the padding columns out.
+    student, teacher, labels = make_inputs(kernel.device, vs=150, vt=195)
+    assert_matches_reference(
+        kernel, student, teacher, labels, beta=beta, temperature=temperature, compute_hard=True
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_single_row(kernel: ChunkKernel, beta: float) -> None:
+    student, teacher, labels = make_inputs(kernel.device, n=1, vs=70, vt=70, ignored=())
+    assert_matches_reference(
+        kernel, student, teacher, labels, beta=beta, temperature=2.0, compute_hard=True
+    )
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_all_rows_ignored(kernel: ChunkKernel, beta: float) -> None:
+    student, teacher, labels = make_inputs(kernel.device, n=3, ignored=(0, 1, 2))
+    # run_kernel checks that the (unspecified) gradient rows are finite.
+    _, soft, hard = run_kernel(
+        kernel, student, teacher, labels, beta=beta, temperature=1.0, compute_hard=True
+    )
+    assert soft.item() == 0.0
+    assert hard.item() == 0.0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5])
+def test_teacher_with_zero_probabilities(kernel: ChunkKernel, beta: float) -> None:
+    # beta == 1 is left out: KL(S || T) is infinite where T is exactly zero.
+    student, teacher, labels = make_inputs(kernel.device)
+    teacher[:, ::3] = -1e30
+    teacher[2, :BLOCK_V] = -1e30  # a whole tile of zeros
+    assert_matches_reference(
+        kernel, student, teacher, labels, beta=beta, temperature=0.5, compute_hard=True
+    )
+    # -inf gives the same zeros; the kernel must not turn 0 * log 0 into NaN.
+    kwargs = {"beta": beta, "temperature": 0.5, "compute_hard": True}
+    finite = run_kernel(kernel, student, teacher, labels, **kwargs)
+    teacher_inf = teacher.masked_fill(teacher == -1e30, float("-inf"))
+    infinite = run_kernel(kernel, student, teacher_inf, labels, **kwargs)
+    for a, b in zip(finite, infinite):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bitwise_reproducible(kernel: ChunkKernel, beta: float) -> None:
+    student, teacher, labels = make_inputs(kernel.device)
+    kwargs = {"beta": beta, "temperature": 2.0, "compute_hard": True}
+    first = run_kernel(kernel, student, teacher, labels, **kwargs)
+    second = run_kernel(kernel, student, teacher, labels, **kwargs)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_bf16_teacher_logits(kernel: ChunkKernel, beta: float) -> None:
+    # The configuration the fused loss runs in bf16: bf16 teacher logits in, read as fp32, and
+    # the gradient written over them in bf16, rounded once from the fp32 result.
+    student, teacher, labels = make_inputs(kernel.device, vs=150, vt=170)
+    teacher_bf16 = teacher.to(torch.bfloat16)
+    kwargs = {"beta": beta, "temperature": 2.0, "compute_hard": True}
+    grad_fp32, soft_fp32, hard_fp32 = run_kernel(
+        kernel, student, teacher_bf16.float(), labels, **kwargs
+    )
+    grad_bf16, soft, hard = run_kernel(kernel, student, teacher_bf16, labels, **kwargs)
+    assert grad_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(soft, soft_fp32, rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(hard, hard_fp32, rtol=1e-6, atol=0.0)
+    # The bf16 teacher is read exactly: the result is the float64 answer for those logits.
+    ref_grad, ref_soft, ref_hard = reference(student, teacher_bf16.float(), labels, **kwargs)
+    assert_close_to_float64(grad_fp32, soft, hard, ref_grad, ref_soft, ref_hard)
+    # Within one bf16 step of the fp32 gradient: compiled Triton rounds to nearest even like
+    # torch, Triton's CPU interpreter truncates.
+    torch.testing.assert_close(grad_bf16.float(), grad_fp32, rtol=2.0**-7, atol=0.0)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_matches_torch_chunk(device: torch.device, beta: float, temperature: float) -> None:
+    student, teacher, labels = make_inputs(device, vs=150, vt=170)
+    kwargs = {
+        "beta": beta,
+        "temperature": temperature,
+        "ignore_index": IGNORE,
+        "weight_hard": WEIGHT_HARD,
+        "weight_soft": WEIGHT_SOFT,
+        "compute_hard": True,
+    }
+    out_triton, out_torch = teacher.clone(), teacher.clone()
+    losses_triton = jsd_chunk_(student, out_triton, labels, **kwargs)
+    losses_torch = _chunk_torch.jsd_chunk_(student, out_torch, labels, **kwargs)
+    valid = labels != IGNORE
+    grad_triton, grad_torch = out_triton[valid, :150], out_torch[valid, :150]
+    atol = GRAD_ATOL_SCALE * grad_torch.abs().max().item()
+    torch.testing.assert_close(grad_triton, grad_torch, rtol=RTOL, atol=atol)
+    torch.testing.assert_close(losses_triton, losses_torch, rtol=RTOL, atol=LOSS_ATOL)
+
+
+def test_rejects_bad_input(device: torch.device) -> None:
+    student, teacher, labels = make_inputs(device)
+    kwargs = {
+        "beta": 0.5,
+        "temperature": 1.0,
+        "ignore_index": IGNORE,
+        "weight_hard": WEIGHT_HARD,
+        "weight_soft": WEIGHT_SOFT,
+        "compute_hard": True,
+    }
+    with pytest.raises(TypeError, match="fp32"):
+        jsd_chunk_(student.double(), teacher, labels, **kwargs)
+    with pytest.raises(ValueError, match="at least its 200 columns"):
+        jsd_chunk_(student, teacher[:, :100].contiguous(), labels, **kwargs)
+    with pytest.raises(ValueError, match="labels must be contiguous int64"):
+        jsd_chunk_(student, teacher, labels.int(), **kwargs)
+    with pytest.raises(ValueError, match="beta"):
+        jsd_chunk_(student, teacher, labels, **{**kwargs, "beta": 1.5})
+
+
+def test_out_of_range_label_poisons_the_hard_loss(device: torch.device) -> None:
+    # Checking labels on the host would need a synchronisation; a NaN loss is the signal.
+    student, teacher, labels = make_inputs(device)
+    labels[0] = student.shape[1]
+    triton = ChunkKernel("triton", device)
+    _, soft, hard = run_kernel(
+        triton, student, teacher, labels, beta=0.5, temperature=1.0, compute_hard=True
+    )
+    assert hard.isnan()
+    assert soft.isfinite()
+
+
+def test_unavailable_reason_names_the_device() -> None:
+    reason = triton_unavailable_reason(torch.device("meta"))
+    assert reason is not None
+    assert "meta" in reason or "triton" in reason
