@@ -3,15 +3,16 @@
 Runs on any device PyTorch runs on (CPU, CUDA, Ascend NPU, ...). Nothing builds an autograd
 graph and nothing reads a tensor value on the host. The rows of a chunk are processed in
 slices of a few hundred rows: every step is one PyTorch op (``log_softmax``, ``softmax``,
-``entr``, ``xlogy``, ``addcmul`` ...) that reads its inputs once and writes into one of four
-or five slice-sized scratch buffers, so the chunk needs no ``(n, V)`` buffer besides its two
-logits tensors. For ``0 < beta < 1`` a slice takes fifteen passes over its rows, about 32
-float32 reads and writes per logit; the last op writes the gradient over the teacher logits,
-rounded once to their dtype, ready for the matmuls. The math is for the summed loss, so every
-scale factor is a Python number (a device scalar such as 1/num_valid would send the
+``entr``, ``xlogy``, ``add`` ...) that reads its inputs once and writes into the student
+logits (scratch once log S is known) or one of three to five slice-sized buffers, so the
+chunk needs no ``(n, V)`` buffer besides its two logits tensors. For ``0 < beta < 1`` a slice
+takes fifteen passes over its rows, about 30 float32 reads and writes per logit; the last op
+writes the gradient, rounded once to the matmul dtype. The math is for the summed loss, so
+every scale factor is a Python number (a device scalar such as 1/num_valid would send the
 elementwise ops down PyTorch's broadcasting path, up to twice as slow), and rows whose label
 is ``ignore_index`` are left out of the losses but not masked in the gradient: the caller
-drops them.
+drops them. The fused loss hands this path float32 teacher logits (a bfloat16 teacher would
+cost a conversion pass per slice) and has the gradient written in bfloat16 over their storage.
 
 ``gradref_kernels._chunk_triton`` implements :func:`jsd_chunk_` with the same contract.
 
@@ -41,11 +42,12 @@ import math
 import torch
 from torch import Tensor
 
-# Rows per slice: a slice buffer holds about this many elements (128 MiB in float32, 256 rows
-# of the Llama-3 vocabulary). The slices bound the scratch memory (four or five buffers) to a
-# fraction of a chunk's logits; much smaller slices would leave the device waiting for the
-# host to launch their ops (benchmarks/tune_chunk.py sweeps the size).
-SLICE_ELEMENTS = 1 << 25
+# Rows per slice: a slice buffer holds at most about this many elements (192 MiB in float32,
+# 392 rows of the Llama-3 vocabulary; a chunk is cut into equal slices below that). The slices
+# bound the scratch memory (two to five buffers) to a fraction of a chunk's logits; smaller
+# slices run slower (benchmarks/tune_chunk.py sweeps the size on an H200: 1024 rows take
+# 4.7 ms in one piece, 5.0 ms in slices of 384, 5.1 in slices of 256, 6.0 in slices of 128).
+SLICE_ELEMENTS = 3 << 24
 
 
 def _row_setup(labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -75,169 +77,206 @@ def _masked_sum(rows: Tensor, valid: Tensor) -> Tensor:
     return accurate_sum(torch.where(valid, rows, 0.0).flatten())
 
 
-def _row_sum(x: Tensor) -> Tensor:
-    return x.sum(dim=-1, keepdim=True)
-
-
 def _shares_softmax(temperature: float, vocab_s: int, vocab_t: int) -> bool:
     """Whether softmax(z), the hard loss's, is S itself (no scaling, no padding)."""
     return temperature == 1.0 and vocab_t == vocab_s
+
+
+def _soft_loss_terms(beta: float) -> tuple[tuple[float, ...], float]:
+    """(coefficients, constant): a row's soft loss from the row sums :func:`_slice_` records.
+
+    beta = 0: [sum entr(T), sum T log S]; beta = 1: [KL(S||T)]; otherwise [sum entr(S),
+    sum entr(T), sum entr(M/beta), sum(S log(M/beta) - S log S)] (entr(x) = -x log x, and
+    sum M log M = beta sum (M/beta) log(M/beta) + log beta).
+    """
+    if beta == 0.0:
+        return (-1.0, -1.0), 0.0
+    if beta == 1.0:
+        return (1.0,), 0.0
+    return (beta - 1.0, -beta, beta, 0.0), -math.log(beta)
 
 
 def _slice_(
     student: Tensor,
     teacher: Tensor,
     labels: Tensor,
-    buffers: Tensor,
+    grad_out: Tensor,
+    sums: Tensor,
+    label_log_p: Tensor | None,
+    buffers: list[Tensor],
     *,
     beta: float,
     temperature: float,
     weight_hard: float,
     weight_soft: float,
-    compute_hard: bool,
-) -> tuple[Tensor, Tensor | None]:
-    """Row losses of a slice of ``r`` rows; writes the gradient into ``teacher[:, :Vs]``.
+) -> None:
+    """One slice of ``r`` rows: the row sums of :func:`_soft_loss_terms` into ``sums``
+    (k, r), log softmax(z) at the label into ``label_log_p`` (r, 1) when the hard loss is
+    computed, and the gradient into ``grad_out`` (r, Vs).
 
-    ``student`` (r, Vs) raw logits in the work dtype (read only), ``teacher`` (r, Vt) raw
-    logits in any floating dtype, ``labels`` (r, 1) from :func:`_row_setup`, ``buffers``
-    (4 or 5, R >= r, Vt) scratch in the work dtype, the fifth for the unscaled softmax when
-    :func:`_shares_softmax` is False and the hard loss is computed. Returns the (r, 1) soft
-    and hard losses (hard None when not ``compute_hard``), unweighted and unmasked.
+    ``student`` (r, Vs) raw logits in the work dtype and ``teacher`` (r, Vt) raw logits in any
+    floating dtype are both used as scratch; ``labels`` (r, 1) from :func:`_row_setup`;
+    ``buffers`` from :func:`_slice_buffers`. ``grad_out`` may lie in the teacher logits' storage
+    (row i within row i): it is written last, by an op that reads neither logits tensor.
     """
     rows, vocab_s = student.shape
     vocab_t = teacher.shape[1]
-    log_s, buf_a, buf_b, buf_c, *buf_p = (b[:rows] for b in buffers.unbind(0))
+    log_s, work, *extra = (b[:rows] for b in buffers)
     inv_tau = 1.0 / temperature
     shared = _shares_softmax(temperature, vocab_s, vocab_t)
-    hard_grad = compute_hard and weight_hard != 0.0
+    hard_grad = label_log_p is not None and weight_hard != 0.0
 
     # log S, the scaled student logits zero-padded to the teacher's width (padding with zeros
     # is the same before or after scaling).
     if shared:
         torch.log_softmax(student, -1, out=log_s)
     else:
-        torch.mul(student, inv_tau, out=buf_a[:, :vocab_s])
-        buf_a[:, vocab_s:].zero_()
-        torch.log_softmax(buf_a, -1, out=log_s)
-
-    hard_rows = prob_hard = None
-    if compute_hard:
-        log_p = log_s if shared else torch.log_softmax(student, -1, out=buf_p[0][:, :vocab_s])
-        hard_rows = log_p.gather(1, labels).neg_()
+        torch.mul(student, inv_tau, out=work[:, :vocab_s])
+        work[:, vocab_s:].zero_()
+        torch.log_softmax(work, -1, out=log_s)
+    prob_hard = None
+    if label_log_p is not None:
+        log_p = log_s if shared else torch.log_softmax(student, -1, out=extra[-1][:, :vocab_s])
+        torch.gather(log_p, 1, labels, out=label_log_p)
         if hard_grad and not shared:
             prob_hard = log_p.exp_()
+    # Scratch from here on: the student logits (when as wide as the teacher's) and the teacher
+    # logits in the work dtype (copied first when they come in another dtype).
+    spare = student if vocab_t == vocab_s else extra[0]
+    teacher_work = teacher if teacher.dtype == log_s.dtype else extra[vocab_t != vocab_s]
+    if teacher_work is not teacher:
+        teacher_work.copy_(teacher)
+    if temperature != 1.0:
+        teacher_work.mul_(inv_tau)
 
-    def teacher_(fn: object, out: Tensor, tmp: Tensor) -> Tensor:
-        # (log-)softmax of teacher / tau in the work dtype. A low-precision teacher is copied
-        # first: softmax(dtype=) would convert it into a temporary anyway, more slowly.
-        source = teacher
-        if temperature != 1.0 or teacher.dtype != out.dtype:
-            source = tmp.copy_(teacher)
-            if temperature != 1.0:
-                source.mul_(inv_tau)
-        return fn(source, -1, out=out)  # type: ignore[operator]
-
-    # The hard loss's share of the coefficient of S in the gradient.
-    shared_hard = weight_hard if shared and hard_grad else 0.0
     entr = torch.special.entr  # -x log x, 0 at x = 0
+    # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
+    shared_hard = weight_hard if shared and hard_grad else 0.0
     if beta == 0.0:
         # KL(T||S) = sum T log T - sum T log S; gradient (S - T) / tau.
         grad_scale = weight_soft / temperature
-        prob_t = teacher_(torch.softmax, buf_a, buf_b)
-        neg_t_log_t = _row_sum(entr(prob_t, out=buf_b))
-        t_log_s = _row_sum(torch.mul(prob_t, log_s, out=buf_b))
-        soft_rows = -neg_t_log_t - t_log_s
+        prob_t = torch.softmax(teacher_work, -1, out=work)
+        torch.sum(entr(prob_t, out=teacher_work), -1, out=sums[0])
+        torch.sum(torch.mul(prob_t, log_s, out=teacher_work), -1, out=sums[1])
         grad = log_s.exp_().mul_(grad_scale + shared_hard)
         last_term, last_scale = prob_t, -grad_scale
     elif beta == 1.0:
         # KL(S||T) = sum S (log S - log T); gradient S * ((log S - log T) - KL) / tau.
         grad_scale = weight_soft / temperature
-        log_t = teacher_(torch.log_softmax, buf_a, buf_b)
+        log_t = torch.log_softmax(teacher_work, -1, out=work)
         # Where T is exactly 0, log T = -inf; clamped, an underflowed S there adds 0 rather
         # than 0 * inf = NaN (an S above 0 makes the KL overflow to inf, as it should).
-        diff = torch.sub(log_s, log_t.clamp_min_(torch.finfo(log_t.dtype).min), out=buf_a)
-        prob_s = torch.exp(log_s, out=buf_b)
-        s_diff = torch.mul(prob_s, diff, out=buf_c)
-        soft_rows = _row_sum(s_diff)
+        diff = torch.sub(log_s, log_t.clamp_min_(torch.finfo(log_t.dtype).min), out=work)
+        prob_s = torch.exp(log_s, out=spare)
+        s_diff = diff.mul_(prob_s)
+        kl = torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1))
         # grad_scale * S * diff + (shared_hard - grad_scale * KL) * S
-        grad = prob_s.mul_(shared_hard - grad_scale * soft_rows)
+        grad = prob_s.mul_(kl.mul(-grad_scale).add_(shared_hard))
         last_term, last_scale = s_diff, grad_scale
     else:
         # beta * KL(T||M) + (1-beta) * KL(S||M) = beta sum T log T + (1-beta) sum S log S
         # - sum M log M; gradient (1-beta)/tau * S * (r - k), r = log S - log M, k = sum(S r).
-        # M enters as M/beta = T + (1-beta)/beta * S (one op), its log beta added to the sums.
+        # M enters as M/beta = T + (1-beta)/beta * S (one op), its log beta in the constants.
         grad_scale = weight_soft * (1.0 - beta) / temperature
-        log_beta = math.log(beta)
-        prob_s = torch.exp(log_s, out=buf_a)
-        neg_s_log_s = entr(prob_s, out=buf_b)
-        s_log_s = -_row_sum(neg_s_log_s)
-        prob_t = teacher_(torch.softmax, log_s, buf_c)  # log S is not needed any more
-        t_log_t = -_row_sum(entr(prob_t, out=buf_c))
+        prob_s = torch.exp(log_s, out=spare)
+        torch.sum(entr(prob_s, out=work), -1, out=sums[0])
+        prob_t = torch.softmax(teacher_work, -1, out=log_s)  # log S is not needed any more
+        torch.sum(entr(prob_t, out=teacher_work), -1, out=sums[1])
         mix = prob_t.add_(prob_s, alpha=(1.0 - beta) / beta)
-        m_log_m = log_beta - beta * _row_sum(entr(mix, out=buf_c))
-        # -S r - S log beta = -S log S + S log(M/beta), summed as such for an accurate k.
-        neg_r_term = neg_s_log_s.add_(torch.special.xlogy(prob_s, mix, out=buf_c))
-        k = -_row_sum(neg_r_term) - log_beta
-        soft_rows = beta * t_log_t + (1.0 - beta) * s_log_s - m_log_m
-        # grad_scale * S * (r - k) = -grad_scale * neg_r_term - grad_scale * (log beta + k) * S
-        grad = prob_s.mul_(shared_hard - grad_scale * (log_beta + k))
+        torch.sum(entr(mix, out=teacher_work), -1, out=sums[2])
+        # -S r - S log beta = -S log S + S log(M/beta), summed as such: k + log beta is
+        # minus its sum, and the gradient grad_scale * S * (r - k) is
+        # -grad_scale * neg_r_term + grad_scale * sum(neg_r_term) * S.
+        neg_r_term = work.add_(torch.special.xlogy(prob_s, mix, out=teacher_work))
+        neg_r_sum = torch.sum(neg_r_term, -1, keepdim=True, out=sums[3].unsqueeze(1))
+        grad = prob_s.mul_(neg_r_sum.mul(grad_scale).add_(shared_hard))
         last_term, last_scale = neg_r_term, -grad_scale
 
     if hard_grad:
         grad.scatter_add_(1, labels, grad.new_full(labels.shape, -weight_hard))
         if prob_hard is not None:
             grad[:, :vocab_s].add_(prob_hard, alpha=weight_hard)
-    # The last op writes the gradient over the teacher logits, rounded once to their dtype.
-    torch.add(grad[:, :vocab_s], last_term[:, :vocab_s], alpha=last_scale, out=teacher[:, :vocab_s])
-    return soft_rows, hard_rows
+    # The last op writes the gradient, rounded once to grad_out's dtype.
+    torch.add(grad[:, :vocab_s], last_term[:, :vocab_s], alpha=last_scale, out=grad_out)
+
+
+def _slice_buffers(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    rows: int,
+    temperature: float,
+    compute_hard: bool,
+) -> list[Tensor]:
+    """Scratch for :func:`_slice_`, (rows, Vt) in the work dtype: log S and one work buffer;
+    one more when the student logits are narrower than the teacher's (they double as scratch
+    otherwise), one when the teacher logits come in another dtype (so do they), and one for the
+    unscaled softmax when the hard loss cannot share S's."""
+    vocab_s, vocab_t = student_logits.shape[1], teacher_logits.shape[1]
+    count = 2 + (vocab_t != vocab_s) + (teacher_logits.dtype != student_logits.dtype)
+    count += compute_hard and not _shares_softmax(temperature, vocab_s, vocab_t)
+    return list(student_logits.new_empty((count, rows, vocab_t)).unbind(0))
 
 
 def _chunk_(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
+    grad_out: Tensor,
     slice_rows: int | None,
     *,
+    beta: float,
+    temperature: float,
     ignore_index: int,
+    weight_hard: float,
+    weight_soft: float,
     compute_hard: bool,
-    **options: float,
 ) -> tuple[Tensor, Tensor]:
     """:func:`jsd_chunk_` in slices of ``slice_rows`` rows, or in one piece for None."""
-    rows, vocab_t = teacher_logits.shape
+    rows = teacher_logits.shape[0]
     valid, safe_labels = _row_setup(labels, ignore_index)
-    shared = _shares_softmax(options["temperature"], student_logits.shape[1], vocab_t)
-    num_buffers = 4 if shared or not compute_hard else 5
-    if slice_rows is None:
-        buffers = student_logits.new_empty((num_buffers, rows, vocab_t))
-        soft_rows, hard_rows = _slice_(
+    coefficients, constant = _soft_loss_terms(beta)
+    sums = student_logits.new_empty((len(coefficients), rows))
+    label_log_p = student_logits.new_empty((rows, 1)) if compute_hard else None
+    options = {
+        "beta": beta,
+        "temperature": temperature,
+        "weight_hard": weight_hard,
+        "weight_soft": weight_soft,
+    }
+    size = rows if slice_rows is None else min(slice_rows, rows)
+    buffers = _slice_buffers(student_logits, teacher_logits, size, temperature, compute_hard)
+    if slice_rows is None:  # one piece, no loop over a row count torch.compile cannot trace
+        _slice_(
             student_logits,
             teacher_logits,
             safe_labels,
+            grad_out,
+            sums,
+            label_log_p,
             buffers,
-            compute_hard=compute_hard,
             **options,
         )
     else:
-        buffers = student_logits.new_empty((num_buffers, min(slice_rows, rows), vocab_t))
-        soft_rows = student_logits.new_empty((rows, 1))
-        hard_rows = student_logits.new_empty((rows, 1)) if compute_hard else None
         for start in range(0, rows, slice_rows):
             part = slice(start, start + slice_rows)
-            soft, hard = _slice_(
+            _slice_(
                 student_logits[part],
                 teacher_logits[part],
                 safe_labels[part],
+                grad_out[part],
+                sums[:, part],
+                None if label_log_p is None else label_log_p[part],
                 buffers,
-                compute_hard=compute_hard,
                 **options,
             )
-            soft_rows[part] = soft
-            if hard_rows is not None and hard is not None:
-                hard_rows[part] = hard
-    soft_sum = _masked_sum(soft_rows, valid)
-    if hard_rows is None:
+    soft_rows = torch.full_like(sums[0], constant)
+    for coefficient, row_sums in zip(coefficients, sums):
+        if coefficient != 0.0:
+            soft_rows.add_(row_sums, alpha=coefficient)
+    soft_sum = _masked_sum(soft_rows.unsqueeze(1), valid)
+    if label_log_p is None:
         return soft_sum, torch.zeros_like(soft_sum)
-    return soft_sum, _masked_sum(hard_rows, valid)
+    return soft_sum, -_masked_sum(label_log_p, valid)
 
 
 def jsd_chunk_(
@@ -245,6 +284,7 @@ def jsd_chunk_(
     teacher_logits: Tensor,
     labels: Tensor,
     *,
+    grad_out: Tensor,
     beta: float,
     temperature: float,
     ignore_index: int,
@@ -252,20 +292,24 @@ def jsd_chunk_(
     weight_soft: float,
     compute_hard: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Summed losses and logits-gradient of one chunk; the gradient goes over the teacher logits.
+    """Summed losses and logits-gradient of one chunk of rows.
 
     Args:
-        student_logits: (n, Vs) float32 (float64 for float64 inputs) raw student logits,
-            bias included. Left as they are.
-        teacher_logits: (n, Vt) raw teacher logits in any floating dtype (the matmul's),
-            ``Vt >= Vs``, read in the student's dtype; when ``Vt > Vs`` the temperature-scaled
-            student logits are padded with zeros to ``Vt`` columns (Liger-Kernel's convention
-            for a teacher vocabulary padded for efficiency). OVERWRITTEN: the first ``Vs``
-            columns receive d(Loss)/dlogits, rounded once to the teacher's dtype, where
-            ``Loss = weight_soft * soft + weight_hard * hard`` summed over the valid rows; the
-            other columns are left as they are. Rows whose label is ``ignore_index`` receive
-            unspecified values (finite for finite logits): the caller drops them.
+        student_logits: (n, Vs) float32 (float64 for float64 inputs) contiguous raw student
+            logits, bias included. Used as scratch: undefined afterwards.
+        teacher_logits: (n, Vt) contiguous raw teacher logits, ``Vt >= Vs``, best in the
+            student's dtype (a low-precision teacher costs a conversion pass); when
+            ``Vt > Vs`` the temperature-scaled student logits are padded with zeros to ``Vt``
+            columns (Liger-Kernel's convention for a teacher vocabulary padded for
+            efficiency). Used as scratch: undefined afterwards, but for ``grad_out``.
         labels: (n,) int64 class indices into the student vocabulary, or ``ignore_index``.
+        grad_out: (n, Vs), any floating dtype: receives d(Loss)/dlogits, rounded once, where
+            ``Loss = weight_soft * soft + weight_hard * hard`` summed over the valid rows.
+            Rows whose label is ``ignore_index`` receive unspecified values (finite for finite
+            logits): the caller drops them. It may share storage with ``teacher_logits`` if
+            each of its rows lies within the same row of the teacher logits (the fused loss
+            writes the bfloat16 gradient over the float32 teacher logits): a row is written
+            after its teacher logits are read.
         beta: weight of the teacher in the mixture, in [0, 1]; 0 is KL(T||S), 1 is KL(S||T).
         temperature: positive; scales both logits for the soft loss only.
         ignore_index: label value of rows that are left out.
@@ -277,11 +321,14 @@ def jsd_chunk_(
         (soft_sum, hard_sum): 0-dim tensors, this chunk's unweighted soft and hard losses
         summed over its valid rows (hard_sum is zero when not compute_hard).
     """
+    rows, vocab_t = teacher_logits.shape
+    slices = -(-rows // max(1, SLICE_ELEMENTS // vocab_t))
     return _chunk_(
         student_logits,
         teacher_logits,
         labels,
-        max(1, SLICE_ELEMENTS // teacher_logits.shape[1]),
+        grad_out,
+        max(1, -(-rows // max(1, slices))),
         beta=beta,
         temperature=temperature,
         ignore_index=ignore_index,
@@ -292,11 +339,16 @@ def jsd_chunk_(
 
 
 def jsd_chunk_unsliced_(
-    student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, **options: object
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor,
+    *,
+    grad_out: Tensor,
+    **options: object,
 ) -> tuple[Tensor, Tensor]:
     """:func:`jsd_chunk_` as one slice: what ``torch.compile`` fuses (it needs no slices to
     keep intermediates out of memory, and a loop over a dynamic row count would not trace)."""
-    return _chunk_(student_logits, teacher_logits, labels, None, **options)  # type: ignore[arg-type]
+    return _chunk_(student_logits, teacher_logits, labels, grad_out, None, **options)  # type: ignore[arg-type]
 
 
 def cross_entropy_chunk_(

@@ -11,7 +11,8 @@ Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
   beta == 1 the soft loss is an expectation under T or S, accumulated online in the same pass.
 * pass 2 [read 8V], 0 < beta < 1 only: the soft loss and sum(S * r), r = log S - log M; both
   need the two final log-sum-exps, so they cannot join pass 1.
-* last pass [read 8V, write 4V]: the gradient, over the teacher logits it has just read.
+* last pass [read 8V, write 4V]: the gradient (in the fused loss, over the teacher logits
+  each tile has just read).
 
 So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1} (fp32 teacher; a bf16
 teacher takes 2V per read and per write off); each pass runs in the opposite direction of the
@@ -82,12 +83,14 @@ if triton is not None:
         z_ptr,
         t_ptr,
         label_ptr,
+        out_ptr,
         soft_ptr,
         hard_ptr,
         vs,
         vt,
         stride_z,
         stride_t,
+        stride_out,
         ignore_index,
         scale2,  # log2(e) / temperature
         beta,
@@ -104,6 +107,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         z_row = z_ptr + row * stride_z
         t_row = t_ptr + row * stride_t
+        out_row = out_ptr + row * stride_out
         offs = tl.arange(0, BLOCK_V)
         label = tl.load(label_ptr + row)
 
@@ -111,7 +115,7 @@ if triton is not None:
             zero = tl.zeros([BLOCK_V], tl.float32)
             for start in range(0, vs, BLOCK_V):
                 cols = start + offs
-                tl.store(t_row + cols, zero.to(t_ptr.dtype.element_ty), mask=cols < vs)
+                tl.store(out_row + cols, zero.to(out_ptr.dtype.element_ty), mask=cols < vs)
             tl.store(soft_ptr + row, 0.0)
             if HARD:
                 tl.store(hard_ptr + row, 0.0)
@@ -191,8 +195,8 @@ if triton is not None:
             if HARD:
                 tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
-            # Last pass: the gradient, written over the teacher logits each tile has just read
-            # (the student's padding columns have none).
+            # Last pass: the gradient (the student's padding columns have none). Each tile is
+            # written after it is read, so the output may be the teacher logits themselves.
             last_s = (vs - 1) // BLOCK_V * BLOCK_V
             for i in range(0, vs, BLOCK_V):
                 cols = (i if MODE == 2 else last_s - i) + offs
@@ -212,7 +216,7 @@ if triton is not None:
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
-                tl.store(t_row + cols, g.to(t_ptr.dtype.element_ty), mask=in_s)
+                tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=in_s)
 
 
 def _compiled() -> bool:
@@ -257,6 +261,7 @@ def _launch(
     teacher_logits: Tensor,
     labels: Tensor,
     *,
+    grad_out: Tensor,
     beta: float,
     temperature: float,
     ignore_index: int,
@@ -269,7 +274,7 @@ def _launch(
     """``jsd_chunk_`` with an explicit launch configuration (for tests and tuning)."""
     n, vs = student_logits.shape
     vt = teacher_logits.shape[1]
-    _check(student_logits, teacher_logits, labels, beta, temperature)
+    _check(student_logits, teacher_logits, labels, grad_out, beta, temperature)
     soft_rows = torch.empty(n, dtype=torch.float32, device=student_logits.device)
     hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
     if n > 0:
@@ -284,12 +289,14 @@ def _launch(
             student_logits,
             teacher_logits,
             labels,
+            grad_out,
             soft_rows,
             hard_rows,
             vs,
             vt,
             student_logits.stride(0),
             teacher_logits.stride(0),
+            grad_out.stride(0),
             ignore_index,
             _LOG2E / temperature,
             beta,
@@ -313,6 +320,7 @@ def _check(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
+    grad_out: Tensor,
     beta: float,
     temperature: float,
 ) -> None:
@@ -341,7 +349,12 @@ def _check(
         raise ValueError(f"beta must lie in [0, 1], got {beta}")
     if not temperature > 0.0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    tensors = (student_logits, teacher_logits, labels)
+    if grad_out.shape != (n, vs) or grad_out.stride(1) != 1 or not grad_out.is_floating_point():
+        raise ValueError(
+            f"grad_out must be a floating ({n}, {vs}) tensor with unit column stride, got "
+            f"{grad_out.dtype} {tuple(grad_out.shape)} strides {grad_out.stride()}"
+        )
+    tensors = (student_logits, teacher_logits, labels, grad_out)
     if len({t.device for t in tensors}) > 1:
         raise ValueError(
             f"all tensors must be on one device, got {[str(t.device) for t in tensors]}"
@@ -353,6 +366,7 @@ def jsd_chunk_(
     teacher_logits: Tensor,
     labels: Tensor,
     *,
+    grad_out: Tensor,
     beta: float,
     temperature: float,
     ignore_index: int,
@@ -362,15 +376,16 @@ def jsd_chunk_(
 ) -> tuple[Tensor, Tensor]:
     """Loss and logit gradient of one chunk; the Triton twin of ``_chunk_torch.jsd_chunk_``.
 
-    student_logits: (n, Vs) fp32 contiguous raw student logits, bias included; left as they
-    are. teacher_logits: (n, Vt) contiguous, Vt >= Vs, fp32 or the matmul dtype (read as fp32);
-    the scaled student logits are zero-padded to Vt as Liger-Kernel does, so padded columns
-    take part in the student softmax but get no gradient. OVERWRITTEN: its first Vs columns
-    receive d(Loss)/dlogits in its dtype, Loss = weight_soft * soft + weight_hard * hard
-    summed over the valid rows; rows whose label == ignore_index get zeros (the contract
-    leaves them unspecified). Each tile is read before the gradient is written over it, so
-    the matmuls that follow take the gradient in their dtype with no buffer and no cast of
-    their own. labels: (n,) int64.
+    student_logits: (n, Vs) fp32 contiguous raw student logits, bias included (left as they
+    are here; the contract lets the PyTorch twin use them as scratch). teacher_logits: (n, Vt)
+    contiguous, Vt >= Vs, fp32 or the matmul dtype (read as fp32; bf16 saves a third of the
+    bytes); the scaled student logits are zero-padded to Vt as Liger-Kernel does, so padded
+    columns take part in the student softmax but get no gradient. labels: (n,) int64.
+    grad_out: (n, Vs) with unit column stride, receives d(Loss)/dlogits in its dtype, Loss =
+    weight_soft * soft + weight_hard * hard summed over the valid rows; rows whose label ==
+    ignore_index get zeros (the contract leaves them unspecified). It may be
+    teacher_logits[:, :Vs] itself, as in the fused loss: each tile is read before the gradient
+    is written over it, so the matmuls take the gradient in their dtype with no extra buffer.
 
     Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses summed over its
     valid rows (hard_sum is zero when not compute_hard).
@@ -380,6 +395,7 @@ def jsd_chunk_(
         student_logits,
         teacher_logits,
         labels,
+        grad_out=grad_out,
         beta=beta,
         temperature=temperature,
         ignore_index=ignore_index,

@@ -220,6 +220,16 @@ def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn 
     return module.jsd_chunk_, ""
 
 
+@dataclass(frozen=True)
+class _ChunkKernel:
+    """A per-chunk function and the teacher logits it takes: in the work dtype (float32;
+    the PyTorch math would otherwise convert a bfloat16 teacher in a pass of its own) or in the
+    matmul dtype (the Triton kernel reads them as float32 as it goes, from half the bytes)."""
+
+    fn: ChunkFn
+    float_teacher: bool
+
+
 @functools.cache
 def _compiled_torch_chunk() -> ChunkFn:
     # dynamic=True: the last chunk is shorter and N changes between steps; without it every
@@ -229,7 +239,7 @@ def _compiled_torch_chunk() -> ChunkFn:
 
 def _select_chunk_fn(
     implementation: str, device: torch.device, dtype: torch.dtype, compiled: bool
-) -> ChunkFn:
+) -> _ChunkKernel:
     """The per-chunk function: Triton where asked for or (for "auto") where it can run, else
     the portable PyTorch math, compiled with torch.compile on CUDA when ``compiled``."""
     # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
@@ -242,7 +252,7 @@ def _select_chunk_fn(
     ):
         triton_fn, reason = _triton_chunk_fn(device, dtype)
         if triton_fn is not None:
-            return triton_fn
+            return _ChunkKernel(triton_fn, float_teacher=False)
         if implementation == "triton":
             raise RuntimeError(
                 f"implementation='triton' cannot run: {reason}. "
@@ -253,8 +263,8 @@ def _select_chunk_fn(
     # immature, so elsewhere `compiled` is accepted for compatibility and has no effect. Under
     # an outer torch.compile the eager function is traced into the caller's graph instead.
     if compiled and device.type == "cuda" and not tracing:
-        return _compiled_torch_chunk()
-    return _chunk_torch.jsd_chunk_
+        return _ChunkKernel(_compiled_torch_chunk(), float_teacher=True)
+    return _ChunkKernel(_chunk_torch.jsd_chunk_, float_teacher=True)
 
 
 # --------------------------------------------------------------------------- forward
@@ -292,6 +302,14 @@ def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) 
     else:
         logits = (x @ weight.t()).to(dtype)
     return logits if bias is None else logits.add_(bias)
+
+
+def _rows_as(logits: Tensor, dtype: torch.dtype) -> Tensor:
+    """The storage of a contiguous (n, V) tensor as ``dtype``, row for row: row i of the
+    result lies within row i of ``logits`` (a float32 row holds two bfloat16 rows' worth)."""
+    if logits.dtype == dtype:
+        return logits
+    return logits.view(dtype)
 
 
 def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
@@ -340,7 +358,7 @@ def _chunked_forward(
     ignore_index: int,
     temperature: float,
     chunk_size: int,
-    chunk_fn: ChunkFn,
+    chunk_kernel: _ChunkKernel,
     compute_hard: bool,
     compute_soft: bool,
     need_grad_x: bool,
@@ -380,13 +398,17 @@ def _chunked_forward(
         x_chunk = x[start:end]
         student_logits = _logits(x_chunk, weight, bias, acc_dtype)
         if compute_soft:
-            # In the matmul dtype: the chunk function reads it in float32 and writes the
-            # gradient over its first Vs columns, ready for the matmuls below.
-            teacher_logits = _logits(teacher_x[start:end], teacher_weight, teacher_bias, x.dtype)
-            soft_chunk, hard_chunk = chunk_fn(
+            teacher_dtype = acc_dtype if chunk_kernel.float_teacher else x.dtype
+            teacher_logits = _logits(
+                teacher_x[start:end], teacher_weight, teacher_bias, teacher_dtype
+            )
+            # The gradient goes over the teacher logits, in the matmul dtype, row by row.
+            grad_logits = _rows_as(teacher_logits, weight.dtype)[:, : weight.shape[0]]
+            soft_chunk, hard_chunk = chunk_kernel.fn(
                 student_logits,
                 teacher_logits,
                 labels[start:end],
+                grad_out=grad_logits,
                 beta=beta,
                 temperature=temperature,
                 ignore_index=ignore_index,
@@ -394,7 +416,7 @@ def _chunked_forward(
                 weight_soft=weight_soft,
                 compute_hard=compute_hard,
             )
-            grad_logits = teacher_logits[:, : weight.shape[0]]
+            del teacher_logits  # grad_logits keeps its storage
             soft_parts.append(soft_chunk)
         else:
             hard_chunk = _chunk_torch.cross_entropy_chunk_(
@@ -465,7 +487,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
         ignore_index: int,
         temperature: float,
         chunk_size: int,
-        chunk_fn: ChunkFn,
+        chunk_kernel: _ChunkKernel,
         grad_enabled: bool,
         return_soft_hard_loss: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -486,7 +508,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
             ignore_index=ignore_index,
             temperature=temperature,
             chunk_size=chunk_size,
-            chunk_fn=chunk_fn,
+            chunk_kernel=chunk_kernel,
             compute_hard=compute_hard,
             compute_soft=weight_soft != 0.0 or return_soft_hard_loss or not compute_hard,
             need_grad_x=need[0],
@@ -601,7 +623,7 @@ def fused_linear_jsd(
             "teacher_bias": teacher_bias,
         }
     )
-    chunk_fn = _select_chunk_fn(
+    chunk_kernel = _select_chunk_fn(
         implementation, student_input.device, student_input.dtype, bool(compiled)
     )
     labels = true_labels.reshape(-1).long().contiguous()
@@ -620,7 +642,7 @@ def fused_linear_jsd(
         ignore_index,
         float(temperature),
         chunk_size,
-        chunk_fn,
+        chunk_kernel,
         torch.is_grad_enabled(),
         bool(return_soft_hard_loss),
     )

@@ -46,6 +46,7 @@ class ChunkKernel:
         teacher: Tensor,
         labels: Tensor,
         *,
+        grad_out: Tensor,
         beta: float,
         temperature: float,
         compute_hard: bool,
@@ -60,11 +61,11 @@ class ChunkKernel:
         }
         if self.name == "triton":
             return _chunk_triton._launch(
-                student, teacher, labels, block_v=BLOCK_V, num_warps=4, **options
+                student, teacher, labels, grad_out=grad_out, block_v=BLOCK_V, num_warps=4, **options
             )
         if self.name == "torch-slices":
-            return _chunk_torch._chunk_(student, teacher, labels, SLICE_ROWS, **options)
-        return _chunk_torch.jsd_chunk_(student, teacher, labels, **options)
+            return _chunk_torch._chunk_(student, teacher, labels, grad_out, SLICE_ROWS, **options)
+        return _chunk_torch.jsd_chunk_(student, teacher, labels, grad_out=grad_out, **options)
 
 
 @pytest.fixture(params=["torch", "torch-slices", "triton"])
@@ -151,18 +152,21 @@ def run_kernel(
     temperature: float,
     compute_hard: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(gradient, soft, hard) of the kernel; the gradient is written over a copy of the
-    teacher logits, and the student logits must come back untouched. The gradient rows of
-    ignored labels are unspecified: they are zeroed here, as the fused loss drops them."""
-    kept = student.clone()
+    """(gradient, soft, hard) of the kernel on copies of the logits; the gradient is written
+    over the teacher logits, as the fused loss does. The gradient rows of ignored labels are
+    unspecified: they are zeroed here, as the fused loss drops them."""
     out = teacher.clone()
-    soft, hard = kernel(
-        student, out, labels, beta=beta, temperature=temperature, compute_hard=compute_hard
-    )
-    assert torch.equal(student, kept), "the student logits must be left as they are"
     vocab_s = student.shape[1]
-    assert torch.equal(out[:, vocab_s:], teacher[:, vocab_s:]), "padding columns must be kept"
     grad = out[:, :vocab_s]
+    soft, hard = kernel(
+        student.clone(),
+        out,
+        labels,
+        grad_out=grad,
+        beta=beta,
+        temperature=temperature,
+        compute_hard=compute_hard,
+    )
     assert grad.isfinite().all(), "every gradient row, ignored ones included, must be finite"
     return grad.masked_fill((labels == IGNORE).unsqueeze(1), 0.0), soft, hard
 
@@ -292,6 +296,35 @@ def test_bf16_teacher_logits(kernel: ChunkKernel, beta: float) -> None:
     torch.testing.assert_close(grad_bf16.float(), grad_fp32, rtol=2.0**-7, atol=0.0)
 
 
+@pytest.mark.parametrize("vocab_t", [200, 230], ids=["same-vocab", "wider-teacher"])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_torch_bf16_gradient_over_float32_teacher(
+    gradref_device: torch.device, beta: float, vocab_t: int
+) -> None:
+    # The layout the fused loss gives the PyTorch path: float32 teacher logits, and the bf16
+    # gradient written over their storage (row i within row i), slice after slice.
+    student, teacher, labels = make_inputs(gradref_device, vs=200, vt=vocab_t)
+    options = {
+        "beta": beta,
+        "temperature": 1.0,
+        "ignore_index": IGNORE,
+        "weight_hard": WEIGHT_HARD,
+        "weight_soft": WEIGHT_SOFT,
+        "compute_hard": True,
+    }
+    grad_fp32 = torch.empty_like(student)
+    expected = _chunk_torch._chunk_(
+        student.clone(), teacher.clone(), labels, grad_fp32, SLICE_ROWS, **options
+    )
+    shared = teacher.clone()
+    grad_bf16 = shared.view(torch.bfloat16)[:, :200]
+    losses = _chunk_torch._chunk_(student.clone(), shared, labels, grad_bf16, SLICE_ROWS, **options)
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    valid = labels != IGNORE
+    # Rounded once from the same float32 result.
+    assert torch.equal(grad_bf16[valid], grad_fp32[valid].bfloat16())
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_matches_torch_chunk(device: torch.device, beta: float, temperature: float) -> None:
@@ -305,8 +338,10 @@ def test_matches_torch_chunk(device: torch.device, beta: float, temperature: flo
         "compute_hard": True,
     }
     out_triton, out_torch = teacher.clone(), teacher.clone()
-    losses_triton = jsd_chunk_(student, out_triton, labels, **kwargs)
-    losses_torch = _chunk_torch.jsd_chunk_(student, out_torch, labels, **kwargs)
+    losses_triton = jsd_chunk_(student, out_triton, labels, grad_out=out_triton[:, :150], **kwargs)
+    losses_torch = _chunk_torch.jsd_chunk_(
+        student.clone(), out_torch, labels, grad_out=out_torch[:, :150], **kwargs
+    )
     valid = labels != IGNORE
     grad_triton, grad_torch = out_triton[valid, :150], out_torch[valid, :150]
     atol = GRAD_ATOL_SCALE * grad_torch.abs().max().item()
@@ -325,13 +360,15 @@ def test_rejects_bad_input(device: torch.device) -> None:
         "compute_hard": True,
     }
     with pytest.raises(TypeError, match="fp32"):
-        jsd_chunk_(student.double(), teacher, labels, **kwargs)
+        jsd_chunk_(student.double(), teacher, labels, grad_out=student, **kwargs)
     with pytest.raises(ValueError, match="at least its 200 columns"):
-        jsd_chunk_(student, teacher[:, :100].contiguous(), labels, **kwargs)
+        jsd_chunk_(student, teacher[:, :100].contiguous(), labels, grad_out=student, **kwargs)
     with pytest.raises(ValueError, match="labels must be contiguous int64"):
-        jsd_chunk_(student, teacher, labels.int(), **kwargs)
+        jsd_chunk_(student, teacher, labels.int(), grad_out=student, **kwargs)
     with pytest.raises(ValueError, match="beta"):
-        jsd_chunk_(student, teacher, labels, **{**kwargs, "beta": 1.5})
+        jsd_chunk_(student, teacher, labels, grad_out=student, **{**kwargs, "beta": 1.5})
+    with pytest.raises(ValueError, match="grad_out must be a floating"):
+        jsd_chunk_(student, teacher, labels, grad_out=student[:, :10], **kwargs)
 
 
 def test_out_of_range_label_poisons_the_hard_loss(device: torch.device) -> None:
