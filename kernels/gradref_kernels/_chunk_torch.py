@@ -3,16 +3,16 @@
 Runs on any device PyTorch runs on (CPU, CUDA, Ascend NPU, ...). Nothing builds an autograd
 graph and nothing reads a tensor value on the host. The rows of a chunk are processed in
 slices of a few hundred rows: every step is one PyTorch op (``log_softmax``, ``softmax``,
-``entr``, ``xlogy``, ``add`` ...) that reads its inputs once and writes into the student
-logits (scratch once log S is known) or one of three to five slice-sized buffers, so the
-chunk needs no ``(n, V)`` buffer besides its two logits tensors. For ``0 < beta < 1`` a slice
-takes fifteen passes over its rows, about 30 float32 reads and writes per logit; the last op
-writes the gradient, rounded once to the matmul dtype. The math is for the summed loss, so
-every scale factor is a Python number (a device scalar such as 1/num_valid would send the
-elementwise ops down PyTorch's broadcasting path, up to twice as slow), and rows whose label
-is ``ignore_index`` are left out of the losses but not masked in the gradient: the caller
-drops them. The fused loss hands this path float32 teacher logits (a bfloat16 teacher would
-cost a conversion pass per slice) and has the gradient written in bfloat16 over their storage.
+``entr``, ``xlogy``, ``add`` ...) that reads its inputs once and writes into the teacher or
+student logits (scratch once read) or a slice-sized buffer, so the chunk needs no ``(n, V)``
+buffer besides its two logits tensors. For ``0 < beta < 1`` a slice takes fifteen passes over
+its rows, about 30 float32 reads and writes per logit; the last op writes the gradient,
+rounded once to the matmul dtype. The math is for the summed loss, so every scale factor is a
+Python number (a device scalar such as 1/num_valid would send the elementwise ops down
+PyTorch's broadcasting path, up to twice as slow), and rows whose label is ``ignore_index``
+are left out of the losses but not masked in the gradient: the caller drops them. The fused
+loss hands this path float32 teacher logits (a bfloat16 teacher would cost a conversion pass
+per slice) and has the bfloat16 gradient written over their storage.
 
 ``gradref_kernels._chunk_triton`` implements :func:`jsd_chunk_` with the same contract.
 
@@ -42,12 +42,12 @@ import math
 import torch
 from torch import Tensor
 
-# Rows per slice: a slice buffer holds at most about this many elements (192 MiB in float32,
-# 392 rows of the Llama-3 vocabulary; a chunk is cut into equal slices below that). The slices
-# bound the scratch memory (two to five buffers) to a fraction of a chunk's logits; smaller
-# slices run slower (benchmarks/tune_chunk.py sweeps the size on an H200: 1024 rows take
-# 4.7 ms in one piece, 5.0 ms in slices of 384, 5.1 in slices of 256, 6.0 in slices of 128).
-SLICE_ELEMENTS = 3 << 24
+# Rows per slice: a slice buffer holds at most about this many elements (256 MiB in float32,
+# 523 rows of the Llama-3 vocabulary; a chunk is cut into equal slices below that). The
+# slices bound the scratch memory (one buffer for bf16 inputs at temperature 1, up to four)
+# to a fraction of a chunk's logits; smaller slices run slower (benchmarks/tune_chunk.py
+# sweeps the size).
+SLICE_ELEMENTS = 1 << 26
 
 
 def _row_setup(labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -121,53 +121,64 @@ def _slice_(
     """
     rows, vocab_s = student.shape
     vocab_t = teacher.shape[1]
-    log_s, work, *extra = (b[:rows] for b in buffers)
-    inv_tau = 1.0 / temperature
+    views = [b[:rows] for b in buffers]
+    work, taken = views[0], 1
     shared = _shares_softmax(temperature, vocab_s, vocab_t)
     hard_grad = label_log_p is not None and weight_hard != 0.0
 
-    # log S, the scaled student logits zero-padded to the teacher's width (padding with zeros
-    # is the same before or after scaling).
-    if shared:
-        torch.log_softmax(student, -1, out=log_s)
-    else:
-        torch.mul(student, inv_tau, out=work[:, :vocab_s])
-        work[:, vocab_s:].zero_()
-        torch.log_softmax(work, -1, out=log_s)
-    prob_hard = None
-    if label_log_p is not None:
-        log_p = log_s if shared else torch.log_softmax(student, -1, out=extra[-1][:, :vocab_s])
-        torch.gather(log_p, 1, labels, out=label_log_p)
-        if hard_grad and not shared:
-            prob_hard = log_p.exp_()
-    # Scratch from here on: the student logits (when as wide as the teacher's) and the teacher
-    # logits in the work dtype (copied first when they come in another dtype).
-    spare = student if vocab_t == vocab_s else extra[0]
-    teacher_work = teacher if teacher.dtype == log_s.dtype else extra[vocab_t != vocab_s]
-    if teacher_work is not teacher:
-        teacher_work.copy_(teacher)
+    # The teacher first, in the work dtype (copied when it comes in another) and scaled in
+    # place: T (or log T for beta = 1) goes to the work buffer, and the teacher logits are
+    # scratch from then on.
+    scratch = teacher
+    if teacher.dtype != work.dtype:
+        scratch, taken = views[taken].copy_(teacher), taken + 1
     if temperature != 1.0:
-        teacher_work.mul_(inv_tau)
+        scratch.mul_(1.0 / temperature)
+    teacher_fn = torch.log_softmax if beta == 1.0 else torch.softmax
+    teacher_probs = teacher_fn(scratch, -1, out=work)
+
+    # log S of the scaled student logits zero-padded to the teacher's width (padding with
+    # zeros is the same before or after scaling). ``prob_s`` is where S will be: the student
+    # logits once log S is taken from them, else log S's own buffer, exponentiated in place.
+    prob_hard = None
+    if shared:
+        log_s = torch.log_softmax(student, -1, out=scratch)
+        prob_s = student
+    else:
+        if label_log_p is not None:
+            prob_hard = torch.log_softmax(student, -1, out=views[-1][:, :vocab_s])
+            torch.gather(prob_hard, 1, labels, out=label_log_p)
+            prob_hard.exp_()
+        torch.mul(student, 1.0 / temperature, out=scratch[:, :vocab_s])
+        scratch[:, vocab_s:].zero_()
+        log_s = torch.log_softmax(scratch, -1, out=student if vocab_t == vocab_s else views[taken])
+        prob_s = log_s
+    if shared and label_log_p is not None:
+        torch.gather(log_s, 1, labels, out=label_log_p)
 
     entr = torch.special.entr  # -x log x, 0 at x = 0
     # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
     shared_hard = weight_hard if shared and hard_grad else 0.0
+    # Below, ``scratch`` is free again once log S is consumed. The gradient's two terms never
+    # lie in it, since grad_out may.
     if beta == 0.0:
         # KL(T||S) = sum T log T - sum T log S; gradient (S - T) / tau.
         grad_scale = weight_soft / temperature
-        prob_t = torch.softmax(teacher_work, -1, out=work)
-        torch.sum(entr(prob_t, out=teacher_work), -1, out=sums[0])
-        torch.sum(torch.mul(prob_t, log_s, out=teacher_work), -1, out=sums[1])
-        grad = log_s.exp_().mul_(grad_scale + shared_hard)
+        prob_t = teacher_probs
+        # T log S goes where S will be (shared) or to the scratch (not holding log S then).
+        product = prob_s if shared else scratch
+        torch.sum(torch.mul(prob_t, log_s, out=product), -1, out=sums[1])
+        grad = torch.exp(log_s, out=prob_s).mul_(grad_scale + shared_hard)
+        torch.sum(entr(prob_t, out=scratch), -1, out=sums[0])
         last_term, last_scale = prob_t, -grad_scale
     elif beta == 1.0:
         # KL(S||T) = sum S (log S - log T); gradient S * ((log S - log T) - KL) / tau.
         grad_scale = weight_soft / temperature
-        log_t = torch.log_softmax(teacher_work, -1, out=work)
+        log_t = teacher_probs
         # Where T is exactly 0, log T = -inf; clamped, an underflowed S there adds 0 rather
         # than 0 * inf = NaN (an S above 0 makes the KL overflow to inf, as it should).
         diff = torch.sub(log_s, log_t.clamp_min_(torch.finfo(log_t.dtype).min), out=work)
-        prob_s = torch.exp(log_s, out=spare)
+        prob_s = torch.exp(log_s, out=prob_s)
         s_diff = diff.mul_(prob_s)
         kl = torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1))
         # grad_scale * S * diff + (shared_hard - grad_scale * KL) * S
@@ -178,16 +189,17 @@ def _slice_(
         # - sum M log M; gradient (1-beta)/tau * S * (r - k), r = log S - log M, k = sum(S r).
         # M enters as M/beta = T + (1-beta)/beta * S (one op), its log beta in the constants.
         grad_scale = weight_soft * (1.0 - beta) / temperature
-        prob_s = torch.exp(log_s, out=spare)
-        torch.sum(entr(prob_s, out=work), -1, out=sums[0])
-        prob_t = torch.softmax(teacher_work, -1, out=log_s)  # log S is not needed any more
-        torch.sum(entr(prob_t, out=teacher_work), -1, out=sums[1])
+        prob_s = torch.exp(log_s, out=prob_s)
+        prob_t = teacher_probs
+        torch.sum(entr(prob_t, out=scratch), -1, out=sums[1])
         mix = prob_t.add_(prob_s, alpha=(1.0 - beta) / beta)
-        torch.sum(entr(mix, out=teacher_work), -1, out=sums[2])
+        torch.sum(entr(mix, out=scratch), -1, out=sums[2])
+        neg_s_log_s = entr(prob_s, out=scratch)
+        torch.sum(neg_s_log_s, -1, out=sums[0])
         # -S r - S log beta = -S log S + S log(M/beta), summed as such: k + log beta is
         # minus its sum, and the gradient grad_scale * S * (r - k) is
         # -grad_scale * neg_r_term + grad_scale * sum(neg_r_term) * S.
-        neg_r_term = work.add_(torch.special.xlogy(prob_s, mix, out=teacher_work))
+        neg_r_term = torch.special.xlogy(prob_s, mix, out=mix).add_(neg_s_log_s)
         neg_r_sum = torch.sum(neg_r_term, -1, keepdim=True, out=sums[3].unsqueeze(1))
         grad = prob_s.mul_(neg_r_sum.mul(grad_scale).add_(shared_hard))
         last_term, last_scale = neg_r_term, -grad_scale
@@ -207,13 +219,15 @@ def _slice_buffers(
     temperature: float,
     compute_hard: bool,
 ) -> list[Tensor]:
-    """Scratch for :func:`_slice_`, (rows, Vt) in the work dtype: log S and one work buffer;
-    one more when the student logits are narrower than the teacher's (they double as scratch
-    otherwise), one when the teacher logits come in another dtype (so do they), and one for the
-    unscaled softmax when the hard loss cannot share S's."""
+    """Scratch for :func:`_slice_`, (rows, Vt) in the work dtype, in the order it takes them:
+    one work buffer; one for the teacher logits when they come in another dtype (they are
+    scratch otherwise); and when the hard loss cannot share S's softmax, one for log S if the
+    student logits are narrower than the teacher's (they hold it otherwise) and one for the
+    unscaled softmax if the hard loss is computed."""
     vocab_s, vocab_t = student_logits.shape[1], teacher_logits.shape[1]
-    count = 2 + (vocab_t != vocab_s) + (teacher_logits.dtype != student_logits.dtype)
-    count += compute_hard and not _shares_softmax(temperature, vocab_s, vocab_t)
+    shared = _shares_softmax(temperature, vocab_s, vocab_t)
+    count = 1 + (teacher_logits.dtype != student_logits.dtype)
+    count += (not shared and vocab_t != vocab_s) + (compute_hard and not shared)
     return list(student_logits.new_empty((count, rows, vocab_t)).unbind(0))
 
 
