@@ -147,14 +147,14 @@ def _slice_(
     else:
         if label_log_p is not None:
             prob_hard = torch.log_softmax(student, -1, out=views[-1][:, :vocab_s])
-            torch.gather(prob_hard, 1, labels, out=label_log_p)
+            label_log_p.copy_(prob_hard.gather(1, labels))
             prob_hard.exp_()
         torch.mul(student, 1.0 / temperature, out=scratch[:, :vocab_s])
         scratch[:, vocab_s:].zero_()
         log_s = torch.log_softmax(scratch, -1, out=student if vocab_t == vocab_s else views[taken])
         prob_s = log_s
     if shared and label_log_p is not None:
-        torch.gather(log_s, 1, labels, out=label_log_p)
+        label_log_p.copy_(log_s.gather(1, labels))
 
     entr = torch.special.entr  # -x log x, 0 at x = 0
     # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
@@ -236,7 +236,7 @@ def _chunk_(
     teacher_logits: Tensor,
     labels: Tensor,
     grad_out: Tensor,
-    slice_rows: int | None,
+    slice_rows: int,
     *,
     beta: float,
     temperature: float,
@@ -245,7 +245,7 @@ def _chunk_(
     weight_soft: float,
     compute_hard: bool,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`jsd_chunk_` in slices of ``slice_rows`` rows, or in one piece for None."""
+    """:func:`jsd_chunk_` in slices of ``slice_rows`` rows."""
     rows = teacher_logits.shape[0]
     valid, safe_labels = _row_setup(labels, ignore_index)
     coefficients, constant = _soft_loss_terms(beta)
@@ -257,32 +257,21 @@ def _chunk_(
         "weight_hard": weight_hard,
         "weight_soft": weight_soft,
     }
-    size = rows if slice_rows is None else min(slice_rows, rows)
-    buffers = _slice_buffers(student_logits, teacher_logits, size, temperature, compute_hard)
-    if slice_rows is None:  # one piece, no loop over a row count torch.compile cannot trace
+    buffers = _slice_buffers(
+        student_logits, teacher_logits, min(slice_rows, rows), temperature, compute_hard
+    )
+    for start in range(0, rows, slice_rows):
+        part = slice(start, start + slice_rows)
         _slice_(
-            student_logits,
-            teacher_logits,
-            safe_labels,
-            grad_out,
-            sums,
-            label_log_p,
+            student_logits[part],
+            teacher_logits[part],
+            safe_labels[part],
+            grad_out[part],
+            sums[:, part],
+            None if label_log_p is None else label_log_p[part],
             buffers,
             **options,
         )
-    else:
-        for start in range(0, rows, slice_rows):
-            part = slice(start, start + slice_rows)
-            _slice_(
-                student_logits[part],
-                teacher_logits[part],
-                safe_labels[part],
-                grad_out[part],
-                sums[:, part],
-                None if label_log_p is None else label_log_p[part],
-                buffers,
-                **options,
-            )
     soft_rows = torch.full_like(sums[0], constant)
     for coefficient, row_sums in zip(coefficients, sums):
         if coefficient != 0.0:
@@ -350,19 +339,6 @@ def jsd_chunk_(
         weight_soft=weight_soft,
         compute_hard=compute_hard,
     )
-
-
-def jsd_chunk_unsliced_(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    labels: Tensor,
-    *,
-    grad_out: Tensor,
-    **options: object,
-) -> tuple[Tensor, Tensor]:
-    """:func:`jsd_chunk_` as one slice: what ``torch.compile`` fuses (it needs no slices to
-    keep intermediates out of memory, and a loop over a dynamic row count would not trace)."""
-    return _chunk_(student_logits, teacher_logits, labels, grad_out, None, **options)  # type: ignore[arg-type]
 
 
 def cross_entropy_chunk_(

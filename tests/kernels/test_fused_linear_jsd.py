@@ -619,6 +619,26 @@ def test_triton_implementation(
     check_against_reference(grad_reference, inputs, loss, grads, **options)
 
 
+@pytest.mark.parametrize(
+    ("temperature", "extra_teacher_vocab"), [(1.0, 0), (2.0, 5)], ids=["shared", "padded"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_torch_implementation(
+    make_jsd_inputs: Any,
+    grad_reference: Any,
+    dtype: torch.dtype,
+    temperature: float,
+    extra_teacher_vocab: int,
+) -> None:
+    # The portable path on every device: where "auto" picks Triton (CUDA) this is its only
+    # fused-loss coverage.
+    teacher_vocab = SMALL["vocab"] + extra_teacher_vocab
+    inputs = make_jsd_inputs(dtype, **SMALL, teacher_vocab=teacher_vocab)
+    options = {"beta": 0.3, "temperature": temperature}
+    loss, grads = inputs.run(fused_linear_jsd, implementation="torch", chunk_size=16, **options)
+    check_against_reference(grad_reference, inputs, loss, grads, **options)
+
+
 @pytest.mark.gradref_xfail("npu", reason="torch-npu's inductor support is immature", strict=False)
 def test_under_torch_compile(make_jsd_inputs: Any, grad_reference: Any) -> None:
     inputs = make_jsd_inputs(torch.float32, **SMALL)
