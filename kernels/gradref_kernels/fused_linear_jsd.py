@@ -6,15 +6,16 @@ logits: rows are processed ``chunk_size`` at a time, and the gradients with resp
 student's input, weight and bias are computed during the forward pass from the closed-form
 gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
 
-Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs), the
-teacher logits in the matmul dtype; the per-chunk function (Triton on CUDA, else PyTorch)
-writes dLoss/dlogits over the teacher logits, then ``grad_input = dZ @ W`` and
-``grad_weight += dZ^T @ X`` run in the weight dtype, the latter summed over chunks in float32
-(inside the matmul where the device supports it). Besides its inputs and gradients, a call
-holds one float32 and one matmul-dtype ``(n, V)`` buffer at a time, plus the PyTorch path's
-slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`); nothing grows with N. The
-gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the gradient itself for
-float32 weights). Nothing reads a tensor value on the host, except the label check on CPU.
+Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs) and the
+teacher logits (in the matmul dtype for the Triton kernel, in float32 for the PyTorch math);
+the per-chunk function writes dLoss/dlogits, in the matmul dtype, over the teacher logits'
+storage, then ``grad_input = dZ @ W`` and ``grad_weight += dZ^T @ X`` run in the weight dtype,
+the latter summed over chunks in float32 (inside the matmul where the device supports it).
+Besides its inputs and gradients, a call holds these two ``(n, V)`` buffers at a time, plus the
+PyTorch path's slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`); nothing
+grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the
+gradient itself for float32 weights). Nothing reads a tensor value on the host, except the
+label check on CPU.
 
 Where this differs from Liger-Kernel 0.8.5, on purpose:
 
