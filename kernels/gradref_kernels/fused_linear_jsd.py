@@ -233,7 +233,9 @@ class _ChunkKernel:
     float_teacher: bool
 
 
-def _select_chunk_fn(implementation: str, device: torch.device, dtype: torch.dtype) -> _ChunkKernel:
+def _select_chunk_kernel(
+    implementation: str, device: torch.device, dtype: torch.dtype
+) -> _ChunkKernel:
     """The per-chunk function: Triton where asked for or (for "auto") where it can run, else
     the portable PyTorch math."""
     # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
@@ -611,7 +613,7 @@ def fused_linear_jsd(
             "teacher_bias": teacher_bias,
         }
     )
-    chunk_kernel = _select_chunk_fn(implementation, student_input.device, student_input.dtype)
+    chunk_kernel = _select_chunk_kernel(implementation, student_input.device, student_input.dtype)
     labels = true_labels.reshape(-1).long().contiguous()
     _check_label_range(labels, student_weight.shape[0], ignore_index)
     outputs: tuple[Tensor, Tensor, Tensor] = _FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
