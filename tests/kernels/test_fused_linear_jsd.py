@@ -21,22 +21,28 @@ from torch import Tensor
 # Error budgets per dtype: the kernel's error against the float64 golden may be at most this
 # many times the same-dtype reference's, plus pytest-gradref's floor. Measured on CPU: the
 # largest error of each item over its largest golden magnitude
-# (loss, grad_input, grad_weight, grad_bias), worst case over the cases, and the largest
-# per-case ratio of the kernel's error to the reference's:
+# (loss, grad_input, grad_weight, grad_bias), worst case over the cases, the largest per-case
+# ratio of the kernel's error to the reference's, and the largest share of the allowed error
+# (budget * reference error + floor) that any case uses:
 #   bfloat16 (24 test_correctness cases)
-#     kernel     7.3e-5  1.0e-2  1.4e-2  3.5e-3
-#     reference  8.0e-2  2.5e-2  3.0e-2  9.6e-3    ratio  0.31  1.18  1.10  1.00
-#   float16 (test_float16_with_loss_scaling; 9.2e-2 for grad_input with mean-scale gradients)
+#     kernel     7.3e-5  1.0e-2  1.7e-2  3.5e-3
+#     reference  8.0e-2  2.5e-2  3.0e-2  9.6e-3    ratio  0.31  1.24  1.81  1.00
+#                                                  share  0.01  0.35  0.42  0.23
+#   float16 (test_float16_with_loss_scaling)
 #     kernel     2.2e-6  1.4e-3  4.8e-4  3.3e-4
-#     reference  2.0e-3  1.6e-3  7.4e-4  5.9e-4    ratio  1.60  0.91  0.83  0.85
+#     reference  2.0e-3  1.6e-3  7.4e-4  5.9e-4    ratio  1.60  0.91  0.73  0.97
+#                                                  share  0.00  0.33  0.19  0.17
 #   float32 (24 test_correctness cases)
-#     kernel     1.3e-7  1.0e-6  9.6e-7  2.4e-7
-#     reference  2.9e-7  1.1e-6  9.5e-7  2.6e-7    ratio  11.2  1.31  1.66  2.15
+#     kernel     5.2e-7  1.1e-6  9.6e-7  2.4e-7
+#     reference  2.9e-7  1.1e-6  9.5e-7  2.6e-7    ratio  12.4  1.41  1.55  1.53
+#                                                  share  0.25  0.20  0.17  0.08
 # In bfloat16 and float16 the gradients' error is their own rounding (and that of the logits
-# in bfloat16): no worse than the naive reference's, whose loss is far worse. In float32 both
-# sit at a few rounding steps, the closed-form gradient takes a few more steps than autograd,
-# and the CPU reference sums its cross-entropy in float64 (the ratio of 11 on the loss, which
-# the floor absorbs), so float32 gets a budget of 4.
+# in bfloat16): no worse than the naive reference's, whose loss is far worse; bfloat16's
+# largest ratios (1.8 on grad_weight) are in the small cases, where one rounding step of the
+# result (the floor) dominates. In float32 both sit at a few rounding steps, the closed-form
+# gradient takes a few more steps than autograd, and the CPU reference sums its cross-entropy
+# in float64 (the ratio of 12 on the loss, which the floor absorbs), so float32 gets a budget
+# of 4.
 BUDGETS = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 4.0}
 pytestmark = pytest.mark.gradref(golden=torch.float64)
 
