@@ -32,7 +32,8 @@ from triton.testing import do_bench
 _ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(_ROOT / "kernels"), str(_ROOT / "tests" / "kernels")]
 from gradref_kernels import _chunk_torch, _chunk_triton  # noqa: E402
-from test_chunk_kernels import IGNORE, WEIGHT_HARD, WEIGHT_SOFT, reference  # noqa: E402
+from test_chunk_kernels import IGNORE, reference  # noqa: E402
+from test_chunk_kernels import chunk_options as options  # noqa: E402
 
 HBM_BYTES_PER_S = 4.3e12
 VOCAB = 128256
@@ -73,17 +74,6 @@ def fused_loss_args(kernel: str, inputs: Inputs) -> Args:
         return student.clone(), teacher, labels, teacher[:, :vocab_s]
     teacher = teacher.clone()
     return student.clone(), teacher, labels, teacher.view(torch.bfloat16)[:, :vocab_s]
-
-
-def options(beta: float, temperature: float, compute_hard: bool) -> dict[str, object]:
-    return {
-        "beta": beta,
-        "temperature": temperature,
-        "ignore_index": IGNORE,
-        "weight_hard": WEIGHT_HARD,
-        "weight_soft": WEIGHT_SOFT,
-        "compute_hard": compute_hard,
-    }
 
 
 def run_triton(

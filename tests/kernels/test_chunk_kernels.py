@@ -10,6 +10,7 @@ Triton's CPU interpreter.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +34,18 @@ LOSS_ATOL = 1e-6
 SLICE_ROWS = 4
 
 
+def chunk_options(beta: float, temperature: float, compute_hard: bool = True) -> dict[str, Any]:
+    """The keyword options of a chunk function, with this module's weights and ignore_index."""
+    return {
+        "beta": beta,
+        "temperature": temperature,
+        "ignore_index": IGNORE,
+        "weight_hard": WEIGHT_HARD,
+        "weight_soft": WEIGHT_SOFT,
+        "compute_hard": compute_hard,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkKernel:
     """One per-chunk implementation, called with the test's fixed weights and ignore_index."""
@@ -51,14 +64,7 @@ class ChunkKernel:
         temperature: float,
         compute_hard: bool,
     ) -> tuple[Tensor, Tensor]:
-        options = {
-            "beta": beta,
-            "temperature": temperature,
-            "ignore_index": IGNORE,
-            "weight_hard": WEIGHT_HARD,
-            "weight_soft": WEIGHT_SOFT,
-            "compute_hard": compute_hard,
-        }
+        options = chunk_options(beta, temperature, compute_hard)
         if self.name == "triton":
             return _chunk_triton._launch(
                 student, teacher, labels, grad_out=grad_out, block_v=BLOCK_V, num_warps=4, **options
@@ -304,14 +310,7 @@ def test_torch_bf16_gradient_over_float32_teacher(
     # The layout the fused loss gives the PyTorch path: float32 teacher logits, and the bf16
     # gradient written over their storage (row i within row i), slice after slice.
     student, teacher, labels = make_inputs(gradref_device, vs=200, vt=vocab_t)
-    options = {
-        "beta": beta,
-        "temperature": 1.0,
-        "ignore_index": IGNORE,
-        "weight_hard": WEIGHT_HARD,
-        "weight_soft": WEIGHT_SOFT,
-        "compute_hard": True,
-    }
+    options = chunk_options(beta, 1.0)
     grad_fp32 = torch.empty_like(student)
     expected = _chunk_torch._chunk_(
         student.clone(), teacher.clone(), labels, grad_fp32, SLICE_ROWS, **options
@@ -329,14 +328,7 @@ def test_torch_bf16_gradient_over_float32_teacher(
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_matches_torch_chunk(device: torch.device, beta: float, temperature: float) -> None:
     student, teacher, labels = make_inputs(device, vs=150, vt=170)
-    kwargs = {
-        "beta": beta,
-        "temperature": temperature,
-        "ignore_index": IGNORE,
-        "weight_hard": WEIGHT_HARD,
-        "weight_soft": WEIGHT_SOFT,
-        "compute_hard": True,
-    }
+    kwargs = chunk_options(beta, temperature)
     out_triton, out_torch = teacher.clone(), teacher.clone()
     losses_triton = jsd_chunk_(student, out_triton, labels, grad_out=out_triton[:, :150], **kwargs)
     losses_torch = _chunk_torch.jsd_chunk_(
@@ -351,14 +343,7 @@ def test_matches_torch_chunk(device: torch.device, beta: float, temperature: flo
 
 def test_rejects_bad_input(device: torch.device) -> None:
     student, teacher, labels = make_inputs(device)
-    kwargs = {
-        "beta": 0.5,
-        "temperature": 1.0,
-        "ignore_index": IGNORE,
-        "weight_hard": WEIGHT_HARD,
-        "weight_soft": WEIGHT_SOFT,
-        "compute_hard": True,
-    }
+    kwargs = chunk_options(0.5, 1.0)
     with pytest.raises(TypeError, match="fp32"):
         jsd_chunk_(student.double(), teacher, labels, grad_out=student, **kwargs)
     with pytest.raises(ValueError, match="at least its 200 columns"):
