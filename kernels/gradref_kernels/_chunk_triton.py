@@ -1,8 +1,10 @@
-"""Fused Triton row kernel for one chunk of the fused-linear JSD loss.
+"""Triton kernels of the fused-linear JSD loss: the row kernel of one chunk, and the backward's
+scaled cast of the float32 weight-gradient sum.
 
-Same per-chunk contract as ``_chunk_torch.jsd_chunk_``. One program owns one row and streams
-the vocabulary in ``BLOCK_V`` tiles; all math is fp32 in base 2 (``exp2`` is one hardware
-instruction, ``exp`` is that plus a multiply), converted to natural-log units only at the end.
+The row kernel has the per-chunk contract of ``_chunk_torch.jsd_chunk_``. One program owns one
+row and streams the vocabulary in ``BLOCK_V`` tiles; all math is fp32 in base 2 (``exp2`` is
+one hardware instruction, ``exp`` is that plus a multiply), converted to natural-log units
+only at the end.
 
 Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
 
@@ -38,12 +40,14 @@ except ImportError as exc:  # reported by triton_unavailable_reason; the torch p
 else:
     _TRITON_IMPORT_ERROR = None
 
-__all__ = ["jsd_chunk_", "triton_unavailable_reason"]
+__all__ = ["jsd_chunk_", "scaled_cast", "triton_unavailable_reason"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # Largest tile; tuned on an H200 with benchmarks/tune_chunk.py.
 _MAX_BLOCK_V = 2048
+# Elements per program of the scaled cast (H200, 2^28 float32 -> bfloat16: see scaled_cast).
+_CAST_BLOCK = 4096
 
 # Soft-loss specialisations: the two KL endpoints need one pass less than the general JSD.
 _BETA_0, _BETA_1, _BETA_MIXED = 0, 1, 2
@@ -217,6 +221,14 @@ if triton is not None:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
                 tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=in_s)
+
+    @triton.jit
+    def _scaled_cast_kernel(src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offs < numel
+        scale = tl.load(scale_ptr).to(tl.float32)
+        values = tl.load(src_ptr + offs, mask=in_range)
+        tl.store(dst_ptr + offs, (values * scale).to(dst_ptr.dtype.element_ty), mask=in_range)
 
 
 def _compiled() -> bool:
@@ -405,3 +417,29 @@ def jsd_chunk_(
         block_v=block_v,
         num_warps=num_warps,
     )
+
+
+def scaled_cast(source: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(source * scale).to(dtype)`` in one pass, rounded once.
+
+    source: contiguous float32; scale: a 0-dim tensor on source's device (read there, so no
+    host synchronisation). The backward of the fused loss scales the float32 weight-gradient
+    sum by grad_output / num_valid with it: PyTorch would take two passes (a cast and a
+    multiply, rounding twice) or its slower mixed-dtype path.
+    """
+    if source.dtype != torch.float32 or not source.is_contiguous():
+        raise ValueError(
+            f"source must be a contiguous float32 tensor, got {source.dtype} "
+            f"strides {source.stride()}"
+        )
+    if scale.dim() != 0 or scale.device != source.device:
+        raise ValueError(
+            f"scale must be a 0-dim tensor on {source.device}, got shape "
+            f"{tuple(scale.shape)} on {scale.device}"
+        )
+    out = torch.empty(source.shape, dtype=dtype, device=source.device)
+    numel = source.numel()
+    if numel > 0:
+        grid = (triton.cdiv(numel, _CAST_BLOCK),)
+        _scaled_cast_kernel[grid](source, scale, out, numel, BLOCK=_CAST_BLOCK, num_warps=8)
+    return out

@@ -54,6 +54,7 @@ from . import _chunk_torch
 __all__ = ["FusedLinearJSDLoss", "fused_linear_jsd"]
 
 ChunkFn = Callable[..., tuple[Tensor, Tensor]]
+ScaledCast = Callable[[Tensor, Tensor, torch.dtype], Tensor]
 LossOutput = Union[Tensor, tuple[Tensor, Tensor, Tensor]]
 
 _IMPLEMENTATIONS = ("auto", "torch", "triton")
@@ -210,8 +211,8 @@ def _import_triton_chunk() -> tuple[Any, str]:
     return module, ""
 
 
-def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn | None, str]:
-    """The Triton per-chunk function for these tensors, or None and why it cannot run."""
+def _triton_module(device: torch.device, dtype: torch.dtype) -> tuple[Any, str]:
+    """The ``_chunk_triton`` module if its kernels can run on these tensors, else None and why."""
     if dtype == torch.float64:
         return None, "the Triton kernel computes in float32; float64 inputs need 'torch'"
     module, reason = _import_triton_chunk()
@@ -220,17 +221,23 @@ def _triton_chunk_fn(device: torch.device, dtype: torch.dtype) -> tuple[ChunkFn 
     reason = module.triton_unavailable_reason(device)
     if reason is not None:
         return None, reason
-    return module.jsd_chunk_, ""
+    return module, ""
 
 
 @dataclass(frozen=True)
 class _ChunkKernel:
     """A per-chunk function and the teacher logits it takes: in the work dtype (float32;
     the PyTorch math would otherwise convert a bfloat16 teacher in a pass of its own) or in the
-    matmul dtype (the Triton kernel reads them as float32 as it goes, from half the bytes)."""
+    matmul dtype (the Triton kernel reads them as float32 as it goes, from half the bytes).
+
+    ``scaled_cast(source, scale, dtype)``, where the kernel's module has one, scales a float32
+    gradient and casts it in one pass: the weight gradient then stays float32 until backward
+    and is rounded once. Without it, low-precision weight gradients are cast at the end of the
+    forward pass (freeing the float32 sum early) and scaled in their dtype in backward."""
 
     fn: ChunkFn
     float_teacher: bool
+    scaled_cast: ScaledCast | None = None
 
 
 def _select_chunk_kernel(
@@ -246,9 +253,11 @@ def _select_chunk_kernel(
     if implementation == "triton" or (
         implementation == "auto" and device.type == "cuda" and not tracing
     ):
-        triton_fn, reason = _triton_chunk_fn(device, dtype)
-        if triton_fn is not None:
-            return _ChunkKernel(triton_fn, float_teacher=False)
+        module, reason = _triton_module(device, dtype)
+        if module is not None:
+            return _ChunkKernel(
+                module.jsd_chunk_, float_teacher=False, scaled_cast=module.scaled_cast
+            )
         if implementation == "triton":
             raise RuntimeError(
                 f"implementation='triton' cannot run: {reason}. "
@@ -441,10 +450,12 @@ def _chunked_forward(
 
     soft, hard = total(soft_parts), total(hard_parts)
     grad_weight = grad_weight_acc
-    # float16 keeps the float32 sum until backward: its range cannot hold a summed gradient.
-    # Otherwise the cast happens here, where it frees the float32 sum; on CUDA a plain cast
-    # and a scaling in the parameter's dtype are faster than one op scaling into it.
-    if grad_weight_acc is not None and x.dtype != torch.float16:
+    # The float32 sum waits for backward where a fused scaled cast exists, and for float16
+    # anyway (its range cannot hold a summed gradient). Otherwise the cast happens here, where
+    # it frees the float32 sum: a plain cast and a scaling in the parameter's dtype are faster
+    # in PyTorch than one op scaling into it.
+    keep_float = x.dtype == torch.float16 or chunk_kernel.scaled_cast is not None
+    if grad_weight_acc is not None and not keep_float:
         grad_weight = grad_weight_acc.to(weight.dtype)
     return _Result(
         loss=weight_hard * hard + weight_soft * soft,
@@ -509,6 +520,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
             result.inv_num_valid, result.grad_x, result.grad_weight, result.grad_bias
         )
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.scaled_cast = chunk_kernel.scaled_cast
         ctx.mark_non_differentiable(result.soft, result.hard)
         return result.loss, result.soft, result.hard
 
@@ -522,10 +534,19 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
         # broadcast it through the generic mixed-dtype elementwise path, several times slower
         # on a bfloat16 weight gradient.
         grads = [
-            None if g is None else torch._foreach_mul([g], scale)[0].to(dtype)
+            None if g is None else _scale_to(g, scale, dtype, ctx.scaled_cast)
             for g, dtype in zip(saved, ctx.dtypes)
         ]
         return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 10
+
+
+def _scale_to(
+    grad: Tensor, scale: Tensor, dtype: torch.dtype, scaled_cast: ScaledCast | None
+) -> Tensor:
+    """``grad * scale`` as ``dtype``, in one pass where the chunk kernel's module offers it."""
+    if grad.dtype != dtype and scaled_cast is not None and grad.dtype == torch.float32:
+        return scaled_cast(grad, scale.to(torch.float32), dtype)
+    return torch._foreach_mul([grad], scale)[0].to(dtype)
 
 
 # --------------------------------------------------------------------------- public API

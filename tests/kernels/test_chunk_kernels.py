@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from gradref_kernels import _chunk_torch, _chunk_triton
-from gradref_kernels._chunk_triton import jsd_chunk_, triton_unavailable_reason
+from gradref_kernels._chunk_triton import jsd_chunk_, scaled_cast, triton_unavailable_reason
 from gradref_kernels.reference import jsd_distillation_reference
 from torch import Tensor
 
@@ -366,6 +366,35 @@ def test_out_of_range_label_poisons_the_hard_loss(device: torch.device) -> None:
     )
     assert hard.isnan()
     assert soft.isfinite()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [1, 4096, 3 * 4096 + 5])
+def test_scaled_cast_rounds_once(device: torch.device, dtype: torch.dtype, numel: int) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    source = (1e3 * torch.randn(numel, generator=gen)).to(device)
+    scale = torch.tensor(0.37, device=device)
+    result, expected = scaled_cast(source, scale, dtype), (source * scale).to(dtype)
+    if dtype == torch.bfloat16 and not _chunk_triton._compiled():
+        # Triton's CPU interpreter truncates float32 -> bfloat16 (compiled kernels round to
+        # nearest even): within one bfloat16 step of the product, and never more.
+        torch.testing.assert_close(result, expected, rtol=2**-7, atol=0.0)
+    else:
+        # float32 product, then one round-to-nearest-even: exactly what PyTorch gives.
+        assert torch.equal(result, expected)
+    matrix = source[: numel - numel % 3].view(3, -1)
+    assert scaled_cast(matrix, scale, dtype).shape == matrix.shape
+
+
+def test_scaled_cast_rejects_bad_input(device: torch.device) -> None:
+    source = torch.ones(4, 6, device=device)
+    scale = torch.tensor(2.0, device=device)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        scaled_cast(source.t(), scale, torch.bfloat16)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        scaled_cast(source.double(), scale, torch.bfloat16)
+    with pytest.raises(ValueError, match="0-dim"):
+        scaled_cast(source, scale.reshape(1), torch.bfloat16)
 
 
 def test_unavailable_reason_names_the_device() -> None:

@@ -63,6 +63,15 @@ SHAPES_AND_DTYPES = [  # (B, T, H, V), dtype
 SMALL = {"rows": 37, "student_hidden": 16, "teacher_hidden": 24, "vocab": 50}
 
 
+def skip_unless_triton_runs(device: torch.device) -> None:
+    """Skips the test, saying why, where the Triton chunk kernel cannot run."""
+    from gradref_kernels import _chunk_triton
+
+    reason = _chunk_triton.triton_unavailable_reason(device)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def check_against_reference(
     grad_reference: Any,
     inputs: Any,
@@ -611,18 +620,30 @@ def test_unavailable_triton_says_why(make_jsd_inputs: Any) -> None:
         fused_linear_jsd(*as_float64.args, implementation="triton")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_triton_implementation(
-    make_jsd_inputs: Any, grad_reference: Any, gradref_device: torch.device
+    make_jsd_inputs: Any, grad_reference: Any, gradref_device: torch.device, dtype: torch.dtype
 ) -> None:
-    from gradref_kernels import _chunk_triton
-
-    reason = _chunk_triton.triton_unavailable_reason(gradref_device)
-    if reason is not None:
-        pytest.skip(reason)
-    inputs = make_jsd_inputs(torch.float32, **SMALL, teacher_vocab=SMALL["vocab"] + 5)
+    skip_unless_triton_runs(gradref_device)
+    inputs = make_jsd_inputs(dtype, **SMALL, teacher_vocab=SMALL["vocab"] + 5)
     options = {"beta": 0.3, "temperature": 2.0}
-    loss, grads = inputs.run(fused_linear_jsd, implementation="triton", chunk_size=16, **options)
-    check_against_reference(grad_reference, inputs, loss, grads, **options)
+    # grad_output 3.5 reaches backward's scaled cast of the float32 weight-gradient sum.
+    scaled = GRAPHS["loss-times-3.5"]
+
+    def scaled_loss(loss_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        return lambda *args, **kwargs: scaled(loss_fn(*args, **kwargs), args)
+
+    loss, grads = inputs.run(
+        scaled_loss(fused_linear_jsd), implementation="triton", chunk_size=16, **options
+    )
+    check_against_reference(
+        grad_reference,
+        inputs,
+        loss,
+        grads,
+        reference=scaled_loss(jsd_distillation_reference),
+        **options,
+    )
 
 
 @pytest.mark.parametrize(
