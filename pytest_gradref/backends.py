@@ -160,6 +160,14 @@ class Backend:
                 stats[key] = int(reader(device))
         return stats
 
+    def reset_peak_memory(self, device: torch.device) -> None:
+        """Start ``max_memory_allocated`` afresh from what is allocated now (to measure the
+        peak of one operation); a no-op where torch tracks no allocations."""
+        module = self._module()
+        reset = getattr(module, "reset_peak_memory_stats", None)
+        if device.type != "cpu" and reset is not None:
+            reset(device)
+
 
 class BackendRegistry:
     """Backends by name, filled by the ``pytest_gradref_register_backends`` hook."""

@@ -3,9 +3,10 @@ memory statistics, checked on the cpu policy and on a policy with CPU placement.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from pytest_gradref import builtin_backend
+from pytest_gradref import Backend, builtin_backend
 
 
 def test_cpu_policy_operations() -> None:
@@ -15,6 +16,7 @@ def test_cpu_policy_operations() -> None:
     assert cpu.device_count() == 1
     assert cpu.current_device() == "cpu"
     assert cpu.memory_stats(device) == {}  # torch tracks no CPU allocations
+    cpu.reset_peak_memory(device)  # nothing to reset, and no error
     cpu.synchronize(device)  # nothing to wait for, and no error
     cpu.activate(device)
     assert cpu.unavailable_reason() is None
@@ -43,3 +45,17 @@ def test_placement_apart_from_policy() -> None:
     assert npu_on_cpu.memory_stats(torch.device("cpu")) == {}
     assert npu_on_cpu.unavailable_reason() is None
     assert builtin_backend("npu").cpu_only_dtypes == frozenset({"float64"})
+
+
+def test_reset_peak_memory_forgets_earlier_peaks(
+    gradref_backend: Backend, gradref_device: torch.device
+) -> None:
+    if not gradref_backend.memory_stats(gradref_device):
+        pytest.skip(f"torch tracks no allocations on {gradref_device.type}")
+    scratch = torch.empty(1 << 22, device=gradref_device)
+    del scratch
+    before = gradref_backend.memory_stats(gradref_device)
+    assert before["max_memory_allocated"] >= before["memory_allocated"] + (1 << 24)
+    gradref_backend.reset_peak_memory(gradref_device)
+    after = gradref_backend.memory_stats(gradref_device)
+    assert after["max_memory_allocated"] == after["memory_allocated"]
