@@ -10,12 +10,14 @@ Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inpu
 teacher logits (in the matmul dtype for the Triton kernel, in float32 for the PyTorch math);
 the per-chunk function writes dLoss/dlogits, in the matmul dtype, over the teacher logits'
 storage, then ``grad_input = dZ @ W`` and ``grad_weight += dZ^T @ X`` run in the weight dtype,
-the latter summed over chunks in float32 (inside the matmul where the device supports it).
-Besides its inputs and gradients, a call holds these two ``(n, V)`` buffers at a time, plus the
-PyTorch path's slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`); nothing
-grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the
-gradient itself for float32 weights). Nothing reads a tensor value on the host, except the
-label check on CPU.
+the latter summed over chunks in float32 (inside the matmul where the device supports it; on
+the Triton path over two chunks' dZ at a time). Besides its inputs and gradients, a call holds
+these two ``(n, V)`` buffers at a time (on the Triton path the teacher logits of two chunks),
+plus the PyTorch path's slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`);
+nothing grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer
+(the gradient itself for float32 weights), which the Triton path keeps until backward scales
+and rounds it in one pass. Nothing reads a tensor value on the host, except the label check on
+CPU.
 
 Where this differs from Liger-Kernel 0.8.5, on purpose:
 
@@ -460,15 +462,18 @@ def _chunked_forward(
             torch.mm(grad_logits, weight, out=grad_x[start:end])
         if end - block_start == block_rows or end == x.shape[0]:
             if grad_weight_acc is not None:
-                block_grad = grad_logits
-                if teacher_block is not None:
-                    block_grad = teacher_block[: end - block_start, : weight.shape[0]]
                 x_kept = x[block_start:end] * kept_rows[block_start:end]
+                block_grad = (
+                    grad_logits
+                    if teacher_block is None
+                    else teacher_block[: end - block_start, : weight.shape[0]]
+                )
                 _accumulate_product_(
                     grad_weight_acc, block_grad.t(), x_kept, first=block_start == 0
                 )
+                del block_grad
             block_start = end
-        del grad_logits  # before the next chunk allocates its own
+        del grad_logits  # before the next chunk allocates its own (block_grad may be it too)
 
     if grad_x is not None:
         grad_x.masked_fill_(~valid.unsqueeze(1), 0.0)

@@ -689,6 +689,46 @@ def test_under_torch_compile(make_jsd_inputs: Any, grad_reference: Any) -> None:
     check_against_reference(grad_reference, inputs, loss, grads, **options)
 
 
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+def test_peak_memory_is_the_documented_buffers(
+    make_jsd_inputs: Any,
+    gradref_backend: Any,
+    gradref_device: torch.device,
+    implementation: str,
+) -> None:
+    # Nothing grows with N, and no chunk's buffer outlives its chunk: the peak is the buffers
+    # the module docstring lists, whatever the number of chunks (here 8).
+    if implementation == "triton":
+        skip_unless_triton_runs(gradref_device)
+    if not gradref_backend.memory_stats(gradref_device):
+        pytest.skip(f"torch tracks no allocations on {gradref_device.type}")
+    rows, hidden, vocab, chunk = 2048, 64, 4096, 256
+    inputs = make_jsd_inputs(
+        torch.bfloat16, rows=rows, student_hidden=hidden, teacher_hidden=96, vocab=vocab, bias=False
+    )
+    float_logits = chunk * vocab * 4
+    if implementation == "torch":
+        # float32 student and teacher logits, and one slice buffer (bf16 at temperature 1)
+        chunk_buffers = 3 * float_logits
+    else:
+        # float32 student logits, bf16 teacher logits of two chunks
+        chunk_buffers = float_logits + 2 * chunk * vocab * 2
+    weight_grad_sum = vocab * hidden * 4
+    input_grad = rows * hidden * 2
+    leaf_copies = (rows + vocab) * hidden * 2  # inputs.run's fresh student input and weight
+    # A first call allocates what lives on between calls (the matmul library's workspace).
+    inputs.run(fused_linear_jsd, chunk_size=chunk, implementation=implementation)
+    gradref_backend.synchronize(gradref_device)
+    gradref_backend.reset_peak_memory(gradref_device)
+    base = gradref_backend.memory_stats(gradref_device)["memory_allocated"]
+    inputs.run(fused_linear_jsd, chunk_size=chunk, implementation=implementation)
+    gradref_backend.synchronize(gradref_device)
+    peak = gradref_backend.memory_stats(gradref_device)["max_memory_allocated"] - base
+    # Slack for the (rows,)-sized tensors and allocator rounding: a quarter of one buffer,
+    # so a chunk buffer kept one chunk too long fails.
+    assert peak <= chunk_buffers + weight_grad_sum + input_grad + leaf_copies + float_logits // 4
+
+
 def test_skips_the_loss_nobody_needs(make_jsd_inputs: Any, monkeypatch: Any) -> None:
     # As Liger does for the hard loss; the soft loss (and the teacher's matmul) likewise.
     calls: list[str] = []
