@@ -260,8 +260,13 @@ def _default_config(n: int, vt: int) -> tuple[int, int]:
     From benchmarks/tune_chunk.py on an H200 (V = 128256, bf16 teacher and gradient written
     over it): 2048 x 8 warps is fastest from 512 rows up (0.59 ms for 1024 rows, 90% of the
     HBM peak; 4096 x 16 is level at 2048 rows); fewer rows leave SMs idle and prefer wider
-    tiles. A grid of fewer programs than rows, each striding over several (fewer rows in
-    flight, more re-reads from L2), was slower at every size.
+    tiles. Two other layouts were measured for 1024 rows and left out:
+    - a persistent grid, one program per SM striding over rows (fewer rows in flight, so the
+      passes re-read more from L2): 0.625 ms at 16384 x 32 warps against 0.655 ms in the same
+      run, slower with narrower tiles or more programs;
+    - each row split over 16 programs holding their part in registers, exchanging partial
+      sums through global memory (each logit read once): 0.64-0.97 ms, as the two waits per
+      row leave too little data in flight to cover the memory latency.
     """
     if n < 512:
         return min(2 * _MAX_BLOCK_V, triton.next_power_of_2(vt)), 8
