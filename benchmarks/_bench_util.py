@@ -147,9 +147,14 @@ def _package_version(name: str) -> str | None:
 
 
 def _git_commit(repo: Path) -> str | None:
+    """HEAD's hash, with "-dirty" when the working tree differs from it."""
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=False
+            ["git", "describe", "--always", "--dirty", "--abbrev=40"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     except OSError:  # git not installed
         return None
