@@ -46,7 +46,8 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # Largest tile; tuned on an H200 with benchmarks/tune_chunk.py.
 _MAX_BLOCK_V = 2048
-# Elements per program of the scaled cast (H200, 2^28 float32 -> bfloat16: see scaled_cast).
+# Elements per program of the scaled cast. Flat on an H200: 0.36 ms for the 128256 x 2048
+# float32 -> bfloat16 weight gradient (90% of the HBM peak) from 1024 to 8192, 4 or 8 warps.
 _CAST_BLOCK = 4096
 
 # Soft-loss specialisations: the two KL endpoints need one pass less than the general JSD.
