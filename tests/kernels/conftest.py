@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from gradref_kernels._chunk_triton import triton_unavailable_reason
 from torch import Tensor
 
 # Logits of about this standard deviation: a realistic spread of probabilities (the largest
@@ -104,3 +105,13 @@ def make_jsd_inputs(gradref_device: torch.device) -> Callable[..., JSDInputs]:
         return make_inputs(device or gradref_device, dtype, **kwargs)
 
     return make
+
+
+@pytest.fixture
+def triton_device(gradref_device: torch.device) -> torch.device:
+    """The gradref device, for tests of the Triton kernels; skips, saying why, where they
+    cannot run there."""
+    reason = triton_unavailable_reason(gradref_device)
+    if reason is not None:
+        pytest.skip(reason)
+    return gradref_device

@@ -77,19 +77,8 @@ class ChunkKernel:
 @pytest.fixture(params=["torch", "torch-slices", "triton"])
 def kernel(request: pytest.FixtureRequest, gradref_device: torch.device) -> ChunkKernel:
     if request.param == "triton":
-        reason = triton_unavailable_reason(gradref_device)
-        if reason is not None:
-            pytest.skip(reason)
+        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     return ChunkKernel(request.param, gradref_device)
-
-
-@pytest.fixture
-def device(gradref_device: torch.device) -> torch.device:
-    """The device, for the Triton kernel's own tests."""
-    reason = triton_unavailable_reason(gradref_device)
-    if reason is not None:
-        pytest.skip(reason)
-    return gradref_device
 
 
 def make_inputs(
@@ -326,8 +315,8 @@ def test_torch_bf16_gradient_over_float32_teacher(
 
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_matches_torch_chunk(device: torch.device, beta: float, temperature: float) -> None:
-    student, teacher, labels = make_inputs(device, vs=150, vt=170)
+def test_matches_torch_chunk(triton_device: torch.device, beta: float, temperature: float) -> None:
+    student, teacher, labels = make_inputs(triton_device, vs=150, vt=170)
     kwargs = chunk_options(beta, temperature)
     out_triton, out_torch = teacher.clone(), teacher.clone()
     losses_triton = jsd_chunk_(student, out_triton, labels, grad_out=out_triton[:, :150], **kwargs)
@@ -341,8 +330,8 @@ def test_matches_torch_chunk(device: torch.device, beta: float, temperature: flo
     torch.testing.assert_close(losses_triton, losses_torch, rtol=RTOL, atol=LOSS_ATOL)
 
 
-def test_rejects_bad_input(device: torch.device) -> None:
-    student, teacher, labels = make_inputs(device)
+def test_rejects_bad_input(triton_device: torch.device) -> None:
+    student, teacher, labels = make_inputs(triton_device)
     kwargs = chunk_options(0.5, 1.0)
     with pytest.raises(TypeError, match="fp32"):
         jsd_chunk_(student.double(), teacher, labels, grad_out=student, **kwargs)
@@ -356,11 +345,11 @@ def test_rejects_bad_input(device: torch.device) -> None:
         jsd_chunk_(student, teacher, labels, grad_out=student[:, :10], **kwargs)
 
 
-def test_out_of_range_label_poisons_the_hard_loss(device: torch.device) -> None:
+def test_out_of_range_label_poisons_the_hard_loss(triton_device: torch.device) -> None:
     # Checking labels on the host would need a synchronisation; a NaN loss is the signal.
-    student, teacher, labels = make_inputs(device)
+    student, teacher, labels = make_inputs(triton_device)
     labels[0] = student.shape[1]
-    triton = ChunkKernel("triton", device)
+    triton = ChunkKernel("triton", triton_device)
     _, soft, hard = run_kernel(
         triton, student, teacher, labels, beta=0.5, temperature=1.0, compute_hard=True
     )
@@ -370,10 +359,12 @@ def test_out_of_range_label_poisons_the_hard_loss(device: torch.device) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", [1, 4096, 3 * 4096 + 5])
-def test_scaled_cast_rounds_once(device: torch.device, dtype: torch.dtype, numel: int) -> None:
+def test_scaled_cast_rounds_once(
+    triton_device: torch.device, dtype: torch.dtype, numel: int
+) -> None:
     gen = torch.Generator().manual_seed(numel)
-    source = (1e3 * torch.randn(numel, generator=gen)).to(device)
-    scale = torch.tensor(0.37, device=device)
+    source = (1e3 * torch.randn(numel, generator=gen)).to(triton_device)
+    scale = torch.tensor(0.37, device=triton_device)
     result, expected = scaled_cast(source, scale, dtype), (source * scale).to(dtype)
     if dtype == torch.bfloat16 and not _chunk_triton._compiled():
         # Triton's CPU interpreter truncates float32 -> bfloat16 (compiled kernels round to
@@ -386,9 +377,9 @@ def test_scaled_cast_rounds_once(device: torch.device, dtype: torch.dtype, numel
     assert scaled_cast(matrix, scale, dtype).shape == matrix.shape
 
 
-def test_scaled_cast_rejects_bad_input(device: torch.device) -> None:
-    source = torch.ones(4, 6, device=device)
-    scale = torch.tensor(2.0, device=device)
+def test_scaled_cast_rejects_bad_input(triton_device: torch.device) -> None:
+    source = torch.ones(4, 6, device=triton_device)
+    scale = torch.tensor(2.0, device=triton_device)
     with pytest.raises(ValueError, match="contiguous float32"):
         scaled_cast(source.t(), scale, torch.bfloat16)
     with pytest.raises(ValueError, match="contiguous float32"):

@@ -63,15 +63,6 @@ SHAPES_AND_DTYPES = [  # (B, T, H, V), dtype
 SMALL = {"rows": 37, "student_hidden": 16, "teacher_hidden": 24, "vocab": 50}
 
 
-def skip_unless_triton_runs(device: torch.device) -> None:
-    """Skips the test, saying why, where the Triton chunk kernel cannot run."""
-    from gradref_kernels import _chunk_triton
-
-    reason = _chunk_triton.triton_unavailable_reason(device)
-    if reason is not None:
-        pytest.skip(reason)
-
-
 def check_against_reference(
     grad_reference: Any,
     inputs: Any,
@@ -256,14 +247,14 @@ def _run_with_outputs(
 def test_chunk_size(
     make_jsd_inputs: Any,
     grad_reference: Any,
-    gradref_device: torch.device,
+    request: pytest.FixtureRequest,
     chunk_size: int,
     implementation: str,
 ) -> None:
     # The Triton path sums the weight gradient over pairs of chunks: here 37 rows make pairs,
     # a partial last pair and a pair of one chunk.
     if implementation == "triton":
-        skip_unless_triton_runs(gradref_device)
+        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     inputs = make_jsd_inputs(torch.float32, **SMALL)
     options = {"beta": 0.3, "temperature": 2.0}
     loss, grads = inputs.run(
@@ -635,9 +626,8 @@ def test_unavailable_triton_says_why(make_jsd_inputs: Any) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_triton_implementation(
-    make_jsd_inputs: Any, grad_reference: Any, gradref_device: torch.device, dtype: torch.dtype
+    make_jsd_inputs: Any, grad_reference: Any, triton_device: torch.device, dtype: torch.dtype
 ) -> None:
-    skip_unless_triton_runs(gradref_device)
     inputs = make_jsd_inputs(dtype, **SMALL, teacher_vocab=SMALL["vocab"] + 5)
     options = {"beta": 0.3, "temperature": 2.0}
     # grad_output 3.5 reaches backward's scaled cast of the float32 weight-gradient sum.
@@ -694,12 +684,13 @@ def test_peak_memory_is_the_documented_buffers(
     make_jsd_inputs: Any,
     gradref_backend: Any,
     gradref_device: torch.device,
+    request: pytest.FixtureRequest,
     implementation: str,
 ) -> None:
     # Nothing grows with N, and no chunk's buffer outlives its chunk: the peak is the buffers
     # the module docstring lists, whatever the number of chunks (here 8).
     if implementation == "triton":
-        skip_unless_triton_runs(gradref_device)
+        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     if not gradref_backend.memory_stats(gradref_device):
         pytest.skip(f"torch tracks no allocations on {gradref_device.type}")
     rows, hidden, vocab, chunk = 2048, 64, 4096, 256
