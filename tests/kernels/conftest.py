@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from gradref_kernels._chunk_triton import triton_unavailable_reason
 from torch import Tensor
 
 # Logits of about this standard deviation: a realistic spread of probabilities (the largest
@@ -111,6 +110,10 @@ def make_jsd_inputs(gradref_device: torch.device) -> Callable[..., JSDInputs]:
 def triton_device(gradref_device: torch.device) -> torch.device:
     """The gradref device, for tests of the Triton kernels; skips, saying why, where they
     cannot run there."""
+    # Imported here, not at the top: pytest loads this file before the root conftest's
+    # pytest_configure chooses Triton's interpreter, and Triton fixes it at import.
+    from gradref_kernels._chunk_triton import triton_unavailable_reason
+
     reason = triton_unavailable_reason(gradref_device)
     if reason is not None:
         pytest.skip(reason)
