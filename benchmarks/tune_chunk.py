@@ -66,14 +66,15 @@ def fp32_args(inputs: Inputs) -> Args:
 def fused_loss_args(kernel: str, inputs: Inputs) -> Args:
     """Copies in the layout the fused loss gives each kernel on bf16 inputs: Triton reads bf16
     teacher logits and writes over them; PyTorch reads float32 teacher logits and writes the
-    bf16 gradient over their storage."""
+    bf16 gradient packed at the start of their storage (no bytes between its rows)."""
     student, teacher, labels = inputs
     vocab_s = student.shape[1]
     if kernel == "triton":
         teacher = teacher.bfloat16()
         return student.clone(), teacher, labels, teacher[:, :vocab_s]
     teacher = teacher.clone()
-    return student.clone(), teacher, labels, teacher.view(torch.bfloat16)[:, :vocab_s]
+    packed = teacher.view(-1).view(torch.bfloat16)[: teacher.shape[0] * vocab_s]
+    return student.clone(), teacher, labels, packed.view(-1, vocab_s)
 
 
 def run_triton(

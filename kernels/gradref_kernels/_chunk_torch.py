@@ -118,7 +118,7 @@ def _slice_(
     ``student`` (r, Vs) raw logits in the work dtype and ``teacher`` (r, Vt) raw logits in any
     floating dtype are both used as scratch; ``labels`` (r, 1) from :func:`_row_setup`;
     ``buffers`` from :func:`_slice_buffers`. ``grad_out`` may lie in the teacher logits' storage
-    (row i within row i): it is written last, by an op that reads neither logits tensor.
+    (row i within rows 0..i): it is written last, by an op that reads neither logits tensor.
     """
     rows, vocab_s = student.shape
     vocab_t = teacher.shape[1]
@@ -311,9 +311,10 @@ def jsd_chunk_(
             ``Loss = weight_soft * soft + weight_hard * hard`` summed over the valid rows.
             Rows whose label is ``ignore_index`` receive unspecified values (finite for finite
             logits): the caller drops them. It may share storage with ``teacher_logits`` if
-            each of its rows lies within the same row of the teacher logits (the fused loss
-            writes the bfloat16 gradient over the float32 teacher logits): a row is written
-            after its teacher logits are read.
+            each of its rows lies within the rows of the teacher logits up to the same one
+            (the fused loss packs the bfloat16 gradient at the start of the float32 teacher
+            logits' storage): slices are written in order, each after the teacher logits of
+            its rows (and so of every row before) are read.
         beta: weight of the teacher in the mixture, in [0, 1]; 0 is KL(T||S), 1 is KL(S||T).
         temperature: positive; scales both logits for the soft loss only.
         ignore_index: label value of rows that are left out.

@@ -232,6 +232,12 @@ class _ChunkKernel:
     the PyTorch math would otherwise convert a bfloat16 teacher in a pass of its own) or in the
     matmul dtype (the Triton kernel reads them as float32 as it goes, from half the bytes).
 
+    Either writes the logit gradient over the teacher logits' storage, without bytes between
+    its rows (the matmuls read it next): the PyTorch math, which writes slice after slice,
+    packed at the start of the storage (:func:`_packed_over`); the Triton kernel, whose
+    programs run rows concurrently, row for row, with the teacher's extra columns zeroed after
+    it when the teacher's vocabulary is larger.
+
     ``scaled_cast(source, scale, dtype)``, where the kernel's module has one, scales a float32
     gradient and casts it in one pass: the weight gradient then stays float32 until backward
     and is rounded once. Without it, low-precision weight gradients are cast at the end of the
@@ -311,12 +317,31 @@ def _logits(
     return logits if bias is None else logits.add_(bias)
 
 
-def _rows_as(logits: Tensor, dtype: torch.dtype) -> Tensor:
-    """The storage of a contiguous (n, V) tensor as ``dtype``, row for row: row i of the
-    result lies within row i of ``logits`` (a float32 row holds two bfloat16 rows' worth)."""
-    if logits.dtype == dtype:
-        return logits
-    return logits.view(dtype)
+def _packed_over(logits: Tensor, dtype: torch.dtype, columns: int) -> Tensor:
+    """A contiguous ``(n, columns)`` tensor of ``dtype`` at the start of the storage of the
+    contiguous ``(n, V)`` tensor ``logits``, ``columns <= V`` and ``dtype`` no wider than
+    theirs: row i of the result lies within rows 0..i of ``logits``.
+
+    The PyTorch chunk math writes its gradient slice after slice, each row after the logits
+    rows up to it are read, so it may write it here. Packed, the gradient has no bytes between
+    its rows: a row-for-row view (row stride V in float32 units) would leave the other half of
+    each float32 row between bfloat16 rows, bits that read as bfloat16 can be NaN or inf, and
+    some matmul kernels read past the last column of a row (oneDNN's AMX bfloat16 kernel reads
+    the whole tile of 32 columns and relies on the other operand's zero padding: NaN * 0 is
+    NaN)."""
+    flat = logits.view(-1)
+    if flat.dtype != dtype:
+        flat = flat.view(dtype)
+    return flat[: logits.shape[0] * columns].view(logits.shape[0], columns)
+
+
+def _dense(matrix: Tensor) -> Tensor:
+    """``matrix`` if its elements fill their span of memory (row- or column-major), else a
+    contiguous copy: no matmul is handed an operand with bytes between its rows, whose
+    contents nobody controls (see :func:`_packed_over`)."""
+    if matrix.is_contiguous() or matrix.t().is_contiguous():
+        return matrix
+    return matrix.contiguous()
 
 
 def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
@@ -427,8 +452,11 @@ def _chunked_forward(
             teacher_logits = _logits(
                 teacher_x[start:end], teacher_weight, teacher_bias, teacher_dtype, rows_in_block
             )
-            # The gradient goes over the teacher logits, in the matmul dtype, row by row.
-            grad_logits = _rows_as(teacher_logits, weight.dtype)[:, : weight.shape[0]]
+            # The gradient goes over the teacher logits, in the matmul dtype (_ChunkKernel).
+            if chunk_kernel.float_teacher:
+                grad_logits = _packed_over(teacher_logits, weight.dtype, weight.shape[0])
+            else:
+                grad_logits = teacher_logits[:, : weight.shape[0]]
             soft_chunk, hard_chunk = chunk_kernel.fn(
                 student_logits,
                 teacher_logits,
@@ -441,6 +469,8 @@ def _chunked_forward(
                 weight_soft=weight_soft,
                 compute_hard=compute_hard,
             )
+            if not grad_logits.is_contiguous():
+                teacher_logits[:, weight.shape[0] :].zero_()  # the bytes between its rows
             del teacher_logits  # grad_logits keeps its storage
             soft_parts.append(soft_chunk)
         else:
@@ -674,10 +704,10 @@ def fused_linear_jsd(
     labels = true_labels.reshape(-1).long().contiguous()
     _check_label_range(labels, student_weight.shape[0], ignore_index)
     outputs: tuple[Tensor, Tensor, Tensor] = _FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
-        student_input.reshape(-1, student_input.shape[-1]),
-        student_weight,
-        teacher_input.reshape(-1, teacher_input.shape[-1]),
-        teacher_weight,
+        _dense(student_input.reshape(-1, student_input.shape[-1])),
+        _dense(student_weight),
+        _dense(teacher_input.reshape(-1, teacher_input.shape[-1])),
+        _dense(teacher_weight),
         labels,
         student_bias,
         teacher_bias,

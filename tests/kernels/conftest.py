@@ -118,3 +118,102 @@ def triton_device(gradref_device: torch.device) -> torch.device:
     if reason is not None:
         pytest.skip(reason)
     return gradref_device
+
+
+class GapCheckingMatmuls(torch.overrides.TorchFunctionMode):
+    """Fails every matmul handed an operand with nonzero bytes between its rows.
+
+    Some matmul kernels read past the last column of a row: oneDNN's AMX bfloat16 kernel
+    (oneDNN 3.12, as in torch 2.13's CPU build) loads whole 32-column tiles and relies on the
+    other operand's zero padding to cancel the extra columns, so a NaN or inf between the rows
+    of a strided operand turns whole rows of the result into NaN, on those CPUs only. This mode
+    makes the hazard fail on every machine: for each matrix operand it reads the elements
+    between its rows (the span from the end of one row to the start of the next, and the last
+    row's own pitch within its storage) and raises if any is not zero. ``checked`` counts the
+    operands inspected and ``strided`` those that had a pitch wider than their rows.
+    """
+
+    MATMULS = frozenset(
+        {
+            torch.mm,
+            torch.addmm,
+            torch.matmul,
+            torch.bmm,
+            torch.baddbmm,
+            torch.nn.functional.linear,
+            Tensor.mm,
+            Tensor.addmm,
+            Tensor.addmm_,
+            Tensor.matmul,
+            Tensor.__matmul__,
+            Tensor.__rmatmul__,
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = 0
+        self.strided = 0
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in self.MATMULS:
+            # addmm's first argument is the addend, not a matrix operand of the product.
+            operands = args[1:3] if func in (torch.addmm, Tensor.addmm, Tensor.addmm_) else args
+            for position, operand in enumerate(operands):
+                if isinstance(operand, Tensor) and operand.dim() == 2:
+                    self._check(func, position, operand)
+        return func(*args, **(kwargs or {}))
+
+    def _check(self, func: Any, position: int, matrix: Tensor) -> None:
+        self.checked += 1
+        between = bytes_between_rows(matrix)
+        if between is None:
+            return
+        self.strided += 1
+        nonzero = int(torch.count_nonzero(between))
+        if nonzero:
+            raise AssertionError(
+                f"{getattr(func, '__name__', func)} operand {position} {tuple(matrix.shape)} "
+                f"{matrix.dtype}, strides {matrix.stride()}: {nonzero} nonzero element(s) "
+                f"({int((~between.isfinite()).sum())} not finite) lie between its rows, where "
+                "a matmul kernel may read them; pack the operand or zero the gaps"
+            )
+
+
+def bytes_between_rows(matrix: Tensor) -> Tensor | None:
+    """The elements between the lines of a 2-D tensor's unit-stride dimension, read in its
+    dtype from its storage (None when it has no such gaps): from the end of each line to the
+    start of the next, and from the end of the last to where a next line would start, as far
+    as the storage reaches."""
+    inner = [d for d in (1, 0) if matrix.stride(d) == 1 or matrix.shape[d] == 1]
+    if not inner or matrix.numel() == 0:
+        if matrix.numel() == 0:
+            return None
+        raise AssertionError(f"matmul operand with no unit stride: strides {matrix.stride()}")
+    inner_dim = inner[0]
+    outer_dim = 1 - inner_dim
+    line, lines = matrix.shape[inner_dim], matrix.shape[outer_dim]
+    pitch = matrix.stride(outer_dim) if lines > 1 else line
+    if pitch <= line:
+        return None
+    storage = matrix.untyped_storage()
+    flat = torch.empty(0, dtype=matrix.dtype, device=matrix.device)
+    flat.set_(storage, 0, (storage.nbytes() // matrix.element_size(),))
+    start = matrix.storage_offset()
+    end = min(flat.numel(), start + lines * pitch)
+    covered = torch.zeros(end - start, dtype=torch.bool, device=matrix.device)
+    torch.as_strided(covered, (lines, line), (pitch, 1)).fill_(True)
+    return flat[start:end][~covered]
+
+
+@pytest.fixture
+def gap_checking_matmuls() -> Any:
+    """A :class:`GapCheckingMatmuls` mode, active for the test."""
+    with GapCheckingMatmuls() as mode:
+        yield mode

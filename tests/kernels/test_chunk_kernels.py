@@ -297,7 +297,8 @@ def test_torch_bf16_gradient_over_float32_teacher(
     gradref_device: torch.device, beta: float, vocab_t: int
 ) -> None:
     # The layout the fused loss gives the PyTorch path: float32 teacher logits, and the bf16
-    # gradient written over their storage (row i within row i), slice after slice.
+    # gradient packed at the start of their storage (row i within rows 0..i, so slices after
+    # the first land on rows already read), slice after slice.
     student, teacher, labels = make_inputs(gradref_device, vs=200, vt=vocab_t)
     options = chunk_options(beta, 1.0)
     grad_fp32 = torch.empty_like(student)
@@ -305,7 +306,7 @@ def test_torch_bf16_gradient_over_float32_teacher(
         student.clone(), teacher.clone(), labels, grad_fp32, SLICE_ROWS, **options
     )
     shared = teacher.clone()
-    grad_bf16 = shared.view(torch.bfloat16)[:, :200]
+    grad_bf16 = shared.view(-1).view(torch.bfloat16)[: 200 * shared.shape[0]].view(-1, 200)
     losses = _chunk_torch._chunk_(student.clone(), shared, labels, grad_bf16, SLICE_ROWS, **options)
     assert torch.equal(torch.stack(losses), torch.stack(expected))
     valid = labels != IGNORE

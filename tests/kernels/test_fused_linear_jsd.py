@@ -754,3 +754,76 @@ def test_skips_the_loss_nobody_needs(make_jsd_inputs: Any, monkeypatch: Any) -> 
             implementation="torch",
         )
         assert calls == [call], (weight_hard, weight_soft, both)
+
+
+# --------------------------------------------------------------------------- matmul operands
+
+
+def test_gap_check_catches_rows_laid_over_wider_storage(gap_checking_matmuls: Any) -> None:
+    # The layout behind NaN gradients on AMX CPUs: bfloat16 rows over float32 storage, the
+    # float32 bits between them. The check must see it on every machine.
+    storage = torch.full((6, 10), math.nan)
+    rows = storage.view(torch.bfloat16)[:, :10]
+    rows.copy_(torch.ones(6, 10))
+    other = torch.ones(10, 3, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match=r"30 nonzero element\(s\) \(30 not finite\)"):
+        torch.mm(rows, other)
+    with pytest.raises(AssertionError, match="operand 0"):
+        rows.t() @ torch.ones(6, 3, dtype=torch.bfloat16)
+    # Dense operands, row- or column-major, and rows whose gaps hold zeros pass.
+    torch.mm(rows.contiguous(), other)
+    torch.addmm(torch.zeros(3, 6), other.t().float(), rows.t().float())
+    zero_gaps = torch.zeros(6, 20, dtype=torch.bfloat16)
+    zero_gaps[:, :10] = 1.0
+    torch.mm(zero_gaps[:, :10], other)
+    assert gap_checking_matmuls.checked == 8
+    assert gap_checking_matmuls.strided == 3
+
+
+@pytest.mark.parametrize(
+    ("weight_hard_loss", "weight_soft_loss"), [(0.5, 0.5), (1.0, 0.0)], ids=["jsd", "hard-only"]
+)
+@pytest.mark.parametrize("teacher_vocab", [50, 63], ids=["same-vocab", "wider-teacher"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+def test_matmul_operands_have_nothing_between_rows(
+    make_jsd_inputs: Any,
+    gap_checking_matmuls: Any,
+    request: pytest.FixtureRequest,
+    implementation: str,
+    dtype: torch.dtype,
+    teacher_vocab: int,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+) -> None:
+    # Every matmul of the fused loss, on every path and layout, gets operands whose bytes
+    # between rows are zero: the logit gradient written over the teacher logits, the teacher's
+    # extra columns (-inf logits here, so anything left there is not finite) and inputs that
+    # come strided (NaN between their elements).
+    if implementation == "triton":
+        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
+    inputs = make_jsd_inputs(dtype, **{**SMALL, "teacher_vocab": teacher_vocab})
+    assert inputs.teacher_bias is not None
+    teacher_bias = inputs.teacher_bias.clone()
+    teacher_bias[SMALL["vocab"] :] = -math.inf
+
+    def strided(t: Tensor) -> Tensor:
+        wide = torch.full((t.shape[0], 2 * t.shape[1]), math.nan, dtype=t.dtype, device=t.device)
+        wide[:, ::2] = t
+        return wide[:, ::2]
+
+    inputs = inputs.replace(
+        teacher_bias=teacher_bias,
+        student_input=strided(inputs.student_input),
+        teacher_weight=strided(inputs.teacher_weight),
+    )
+    loss, grads = inputs.run(
+        fused_linear_jsd,
+        weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss,
+        chunk_size=16,
+        implementation=implementation,
+    )
+    assert gap_checking_matmuls.checked > 0
+    assert loss.isfinite()
+    assert all(grad.isfinite().all() for grad in grads)
