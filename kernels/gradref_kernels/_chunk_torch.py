@@ -343,6 +343,17 @@ def jsd_chunk_(
     )
 
 
+def scaled_cast(
+    source: Tensor, scale: Tensor, dtype: torch.dtype, out: Tensor | None = None
+) -> Tensor:
+    """``(source * scale).to(dtype)`` rounded once, into ``out`` if given: one multiplication
+    in the source's dtype whose result is cast as it is stored (the twin of
+    ``_chunk_triton.scaled_cast``). ``scale`` is a 0-dim tensor on source's device."""
+    if out is None:
+        out = torch.empty(source.shape, dtype=dtype, device=source.device)
+    return torch.mul(source, scale, out=out)
+
+
 def cross_entropy_chunk_(
     logits: Tensor, labels: Tensor, *, ignore_index: int, weight_hard: float
 ) -> Tensor:

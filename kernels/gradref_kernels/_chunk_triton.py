@@ -72,6 +72,17 @@ if triton is not None:
         return hi + tl.log2(x)
 
     @triton.jit
+    def _rounded_to(x, dtype: tl.constexpr):
+        """float32 ``x`` as ``dtype``, rounded to nearest even. For bfloat16 the rounding is
+        done on the bits, so every backend gives the same result: a plain cast truncates in
+        Triton's CPU interpreter. (NaN stays NaN; a carry into the exponent gives inf.)"""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return x.to(dtype)
+
+    @triton.jit
     def _online_lse2(m, d, x):
         """One tile of an online base-2 log-sum-exp: running max m (scalar), per-lane sums d.
 
@@ -221,7 +232,7 @@ if triton is not None:
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
-                tl.store(out_row + cols, g.to(out_ptr.dtype.element_ty), mask=in_s)
+                tl.store(out_row + cols, _rounded_to(g, out_ptr.dtype.element_ty), mask=in_s)
 
     @triton.jit
     def _scaled_cast_kernel(src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
@@ -229,7 +240,9 @@ if triton is not None:
         in_range = offs < numel
         scale = tl.load(scale_ptr).to(tl.float32)
         values = tl.load(src_ptr + offs, mask=in_range)
-        tl.store(dst_ptr + offs, (values * scale).to(dst_ptr.dtype.element_ty), mask=in_range)
+        tl.store(
+            dst_ptr + offs, _rounded_to(values * scale, dst_ptr.dtype.element_ty), mask=in_range
+        )
 
 
 def _compiled() -> bool:
@@ -425,13 +438,17 @@ def jsd_chunk_(
     )
 
 
-def scaled_cast(source: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(source * scale).to(dtype)`` in one pass, rounded once.
+def scaled_cast(
+    source: Tensor, scale: Tensor, dtype: torch.dtype, out: Tensor | None = None
+) -> Tensor:
+    """``(source * scale).to(dtype)`` in one pass, rounded once, into ``out`` if given (a
+    contiguous tensor of ``dtype`` and source's shape).
 
     source: contiguous float32; scale: a 0-dim tensor on source's device (read there, so no
-    host synchronisation). The backward of the fused loss scales the float32 weight-gradient
-    sum by grad_output / num_valid with it: PyTorch would take two passes (a cast and a
-    multiply, rounding twice) or its slower mixed-dtype path.
+    host synchronisation). The fused loss rounds its float32 gradients with it: the input
+    gradient of each chunk by 1/num_valid, the weight-gradient sum by grad_output / num_valid
+    in backward. PyTorch would take two passes (a cast and a multiply, rounding twice) or its
+    slower mixed-dtype path.
     """
     if source.dtype != torch.float32 or not source.is_contiguous():
         raise ValueError(
@@ -443,7 +460,13 @@ def scaled_cast(source: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
             f"scale must be a 0-dim tensor on {source.device}, got shape "
             f"{tuple(scale.shape)} on {scale.device}"
         )
-    out = torch.empty(source.shape, dtype=dtype, device=source.device)
+    if out is None:
+        out = torch.empty(source.shape, dtype=dtype, device=source.device)
+    elif out.dtype != dtype or out.shape != source.shape or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {tuple(source.shape)}, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
     numel = source.numel()
     if numel > 0:
         grid = (triton.cdiv(numel, _CAST_BLOCK),)

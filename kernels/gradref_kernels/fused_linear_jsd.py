@@ -56,7 +56,7 @@ from . import _chunk_torch
 __all__ = ["FusedLinearJSDLoss", "fused_linear_jsd"]
 
 ChunkFn = Callable[..., tuple[Tensor, Tensor]]
-ScaledCast = Callable[[Tensor, Tensor, torch.dtype], Tensor]
+ScaledCast = Callable[..., Tensor]
 LossOutput = Union[Tensor, tuple[Tensor, Tensor, Tensor]]
 
 _IMPLEMENTATIONS = ("auto", "torch", "triton")
@@ -238,14 +238,13 @@ class _ChunkKernel:
     programs run rows concurrently, row for row, with the teacher's extra columns zeroed after
     it when the teacher's vocabulary is larger.
 
-    ``scaled_cast(source, scale, dtype)``, where the kernel's module has one, scales a float32
-    gradient and casts it in one pass: the weight gradient then stays float32 until backward
-    and is rounded once. Without it, low-precision weight gradients are cast at the end of the
-    forward pass (freeing the float32 sum early) and scaled in their dtype in backward."""
+    ``scaled_cast(source, scale, dtype, out=None)`` scales a float32 gradient and rounds it
+    to ``dtype`` in one pass (the Triton module's kernel, or one PyTorch op): float32 sums are
+    rounded to a low-precision dtype once, after their scaling."""
 
     fn: ChunkFn
     float_teacher: bool
-    scaled_cast: ScaledCast | None = None
+    scaled_cast: ScaledCast
 
 
 def _select_chunk_kernel(
@@ -271,7 +270,9 @@ def _select_chunk_kernel(
                 f"implementation='triton' cannot run: {reason}. "
                 "Use implementation='torch' (portable) or 'auto'."
             )
-    return _ChunkKernel(_chunk_torch.jsd_chunk_, float_teacher=True)
+    return _ChunkKernel(
+        _chunk_torch.jsd_chunk_, float_teacher=True, scaled_cast=_chunk_torch.scaled_cast
+    )
 
 
 # --------------------------------------------------------------------------- forward
@@ -346,31 +347,78 @@ def _dense(matrix: Tensor) -> Tensor:
 
 def _accumulate_product_(acc: Tensor, a: Tensor, b: Tensor, *, first: bool) -> None:
     """``acc += a @ b`` (``acc = a @ b`` when ``first``, whatever ``acc`` held) with ``acc``
-    in float32 (or float64) and a, b in the matmul dtype."""
+    in float32 (or float64) and a, b in the matmul dtype: exact products summed in float32,
+    rounded to the matmul dtype nowhere (backward rounds the scaled sum once)."""
     # beta=0 ignores acc's contents, NaN included: the buffer need not be zeroed first.
     beta = 0.0 if first else 1.0
     if acc.dtype == a.dtype:
         acc.addmm_(a, b, beta=beta)
     elif _mixed_matmul(a.device.type, a.dtype) and acc.dtype == torch.float32:
         torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
-    elif first:
-        acc.copy_(a @ b)
     else:
-        # The product is rounded to the matmul dtype once per chunk; the sum over chunks is
-        # not (a bfloat16 accumulator would lose the small late terms).
-        acc.add_(a @ b)
+        # No low-precision matmul into float32 here (the CPU): multiply float32 copies, a
+        # chunk of the logit gradient at a time (the size of the student logits just freed).
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+
+
+@dataclass(frozen=True)
+class _MeanScale:
+    """1/num_valid: as a 0-dim device tensor, and as a Python number where reading it costs
+    nothing (on the CPU; elsewhere it would synchronise with the device)."""
+
+    tensor: Tensor
+    host: float | None
+
+
+def _input_gradient_(
+    out: Tensor,
+    grad_logits: Tensor,
+    weight: Tensor,
+    mean_scale: _MeanScale | None,
+    scaled_cast: ScaledCast,
+) -> None:
+    """``out = grad_logits @ weight``, times ``mean_scale`` when given, rounded once to out's
+    dtype where the device allows it.
+
+    With a mean scale the product is scaled in float32 before its one rounding: by the matmul
+    itself (``alpha``) where the scale is a Python number, else by a scaled cast of a float32
+    product where the device multiplies low-precision matrices into float32 (CUDA). Where
+    neither holds (a device without that product, whose count cannot be read for free) the
+    product is rounded, then scaled and rounded again. Without one, ``out`` is a float32
+    buffer that waits for backward (float16 inputs), and gets the float32 product where the
+    device has it, else the product rounded to float16."""
+    if mean_scale is None:
+        if _mixed_matmul(grad_logits.device.type, grad_logits.dtype):
+            torch.mm(grad_logits, weight, out_dtype=torch.float32, out=out)
+        else:
+            out.copy_(grad_logits @ weight)
+    elif out.dtype in (torch.float32, torch.float64) or (
+        mean_scale.host is None and not _mixed_matmul(grad_logits.device.type, out.dtype)
+    ):
+        # In float32 the scaling's rounding is negligible; elsewhere the fallback above.
+        torch.mm(grad_logits, weight, out=out)
+        out.mul_(mean_scale.tensor)
+    elif mean_scale.host is not None:
+        # beta=0 ignores out's contents, NaN included.
+        torch.addmm(out, grad_logits, weight, beta=0.0, alpha=mean_scale.host, out=out)
+    else:
+        product = torch.mm(grad_logits, weight, out_dtype=torch.float32)
+        scaled_cast(product, mean_scale.tensor.float(), out.dtype, out)
 
 
 @dataclass
 class _Result:
-    """What the forward pass produces: the losses, and the gradients of the summed loss
-    (grad_output = num_valid), which backward scales by ``inv_num_valid * grad_output``."""
+    """What the forward pass produces: the losses, and the gradients. The weight and bias
+    gradients are those of the summed loss (grad_output = num_valid), which backward scales by
+    ``inv_num_valid * grad_output``; so is the input gradient where ``input_grad_is_mean`` is
+    false (float16 inputs, in a float32 buffer), else it is that of the mean loss already."""
 
     loss: Tensor
     soft: Tensor
     hard: Tensor
     inv_num_valid: Tensor
     grad_x: Tensor | None
+    input_grad_is_mean: bool
     grad_weight: Tensor | None
     grad_bias: Tensor | None
 
@@ -403,10 +451,21 @@ def _chunked_forward(
     valid = labels != ignore_index
     # The chunk functions work on the summed loss, so that their elementwise ops scale by
     # Python numbers only, and 1/num_valid (a device tensor: reading the count on the host
-    # would synchronise) is applied once, to the losses here and to the gradients in backward
-    # together with grad_output. float16 needs this anyway: the per-row gradients of a mean
-    # over many rows underflow in it before a loss scaler's factor arrives.
+    # would synchronise) is applied to the float32 results before their one rounding: to the
+    # losses here, to the input gradient chunk by chunk as it leaves its matmul, and to the
+    # float32 weight-gradient sum in backward together with grad_output. float16 keeps its
+    # input gradient in float32 too, at the summed scale, until backward: the per-row
+    # gradients of a mean over many rows underflow in float16 before a loss scaler's factor
+    # arrives.
     inv_num_valid = valid.sum().clamp_min(1).to(acc_dtype).reciprocal()
+    input_grad_is_mean = x.dtype != torch.float16
+    mean_scale = None
+    if input_grad_is_mean:
+        # Read on the host where that is free and the product rounds to a low precision
+        # (under torch.compile the read would break the caller's graph).
+        readable = device.type == "cpu" and x.dtype == torch.bfloat16
+        host = float(inv_num_valid) if readable and not torch.compiler.is_compiling() else None
+        mean_scale = _MeanScale(inv_num_valid, host)
     # The chunk functions leave the logit gradients of ignored rows unspecified; they are
     # dropped on the small side of the matmuls: zero input rows in the weight gradient's
     # product, zeroed rows of grad_input.
@@ -414,7 +473,8 @@ def _chunked_forward(
     soft_parts: list[Tensor] = []
     hard_parts: list[Tensor] = []
 
-    grad_x = torch.empty(x.shape, dtype=x.dtype, device=device) if need_grad_x else None
+    grad_x_dtype = x.dtype if input_grad_is_mean else torch.float32
+    grad_x = torch.empty(x.shape, dtype=grad_x_dtype, device=device) if need_grad_x else None
     # The weight gradient is summed over chunks in float32. The first chunk overwrites the
     # buffer, so it needs no zeroing pass, unless there are no rows at all.
     new_sum = torch.empty if x.shape[0] > 0 else torch.zeros
@@ -489,7 +549,9 @@ def _chunked_forward(
             grad_logits.mul_(kept_rows[start:end])
             grad_bias_acc.add_(grad_logits.sum(dim=0, dtype=acc_dtype))
         if grad_x is not None:
-            torch.mm(grad_logits, weight, out=grad_x[start:end])
+            _input_gradient_(
+                grad_x[start:end], grad_logits, weight, mean_scale, chunk_kernel.scaled_cast
+            )
         if end - block_start == block_rows or end == x.shape[0]:
             if grad_weight_acc is not None:
                 x_kept = x[block_start:end] * kept_rows[block_start:end]
@@ -515,21 +577,16 @@ def _chunked_forward(
         return _chunk_torch.accurate_sum(torch.stack(parts)) * inv_num_valid
 
     soft, hard = total(soft_parts), total(hard_parts)
-    grad_weight = grad_weight_acc
-    # The float32 sum waits for backward where a fused scaled cast exists, and for float16
-    # anyway (its range cannot hold a summed gradient). Otherwise the cast happens here, where
-    # it frees the float32 sum: a plain cast and a scaling in the parameter's dtype are faster
-    # in PyTorch than one op scaling into it.
-    keep_float = x.dtype == torch.float16 or chunk_kernel.scaled_cast is not None
-    if grad_weight_acc is not None and not keep_float:
-        grad_weight = grad_weight_acc.to(weight.dtype)
+    # The float32 weight-gradient sum waits for backward, which scales it by
+    # grad_output / num_valid and rounds it once.
     return _Result(
         loss=weight_hard * hard + weight_soft * soft,
         soft=soft,
         hard=hard,
         inv_num_valid=inv_num_valid,
         grad_x=grad_x,
-        grad_weight=grad_weight,
+        input_grad_is_mean=input_grad_is_mean,
+        grad_weight=grad_weight_acc,
         grad_bias=grad_bias_acc,
     )
 
@@ -586,6 +643,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
             result.inv_num_valid, result.grad_x, result.grad_weight, result.grad_bias
         )
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.input_grad_is_mean = result.input_grad_is_mean
         ctx.scaled_cast = chunk_kernel.scaled_cast
         ctx.mark_non_differentiable(result.soft, result.hard)
         return result.loss, result.soft, result.hard
@@ -596,23 +654,24 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
         # A 0-dim product on the device: no host sync, whatever grad_loss is (1, a loss
         # scale, the gradient flowing from a larger graph).
         scale = grad_loss * inv_num_valid
-        # A multi-tensor kernel reads the 0-dim scale on the device once; ``g * scale`` would
-        # broadcast it through the generic mixed-dtype elementwise path, several times slower
-        # on a bfloat16 weight gradient.
+        # The input gradient of a mean loss needs grad_output alone (exact for 1 and for
+        # power-of-two loss scales, in any dtype).
+        scales = (grad_loss if ctx.input_grad_is_mean else scale, scale, scale)
         grads = [
-            None if g is None else _scale_to(g, scale, dtype, ctx.scaled_cast)
-            for g, dtype in zip(saved, ctx.dtypes)
+            None if g is None else _scale_to(g, s, dtype, ctx.scaled_cast)
+            for g, s, dtype in zip(saved, scales, ctx.dtypes)
         ]
         return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 10
 
 
-def _scale_to(
-    grad: Tensor, scale: Tensor, dtype: torch.dtype, scaled_cast: ScaledCast | None
-) -> Tensor:
-    """``grad * scale`` as ``dtype``, in one pass where the chunk kernel's module offers it."""
-    if grad.dtype != dtype and scaled_cast is not None and grad.dtype == torch.float32:
-        return scaled_cast(grad, scale.to(torch.float32), dtype)
-    return torch._foreach_mul([grad], scale)[0].to(dtype)
+def _scale_to(grad: Tensor, scale: Tensor, dtype: torch.dtype, scaled_cast: ScaledCast) -> Tensor:
+    """``grad * scale`` as ``dtype``: a float32 sum is scaled and rounded in one pass."""
+    if grad.dtype != dtype:
+        return scaled_cast(grad, scale.to(grad.dtype), dtype)
+    # A multi-tensor kernel reads the 0-dim scale on the device once; ``grad * scale`` would
+    # broadcast it through the generic mixed-dtype elementwise path, several times slower on
+    # a bfloat16 gradient.
+    return torch._foreach_mul([grad], scale)[0]
 
 
 # --------------------------------------------------------------------------- public API

@@ -827,3 +827,58 @@ def test_matmul_operands_have_nothing_between_rows(
     assert gap_checking_matmuls.checked > 0
     assert loss.isfinite()
     assert all(grad.isfinite().all() for grad in grads)
+
+
+# --------------------------------------------------------------------------- rounding
+
+
+@pytest.mark.parametrize("grad_output", [1.0, 4.0])
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+def test_bfloat16_gradients_are_rounded_once(
+    make_jsd_inputs: Any,
+    request: pytest.FixtureRequest,
+    monkeypatch: Any,
+    implementation: str,
+    grad_output: float,
+) -> None:
+    # Each gradient is the bfloat16 rounding of an exact product of the kernel's own bfloat16
+    # logit gradient, scaled by grad_output / num_valid: the float64 product of the recorded
+    # logit gradient, scaled and rounded once, gives the same bits (but for the rare entry
+    # where float32 accumulation lands across a rounding boundary). Rounding the product,
+    # then the scaled product, leaves a fifth of grad_input and two fifths of grad_weight one
+    # step off. grad_output 4 is a loss scale: exact in any dtype.
+    if implementation == "triton":
+        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
+        from gradref_kernels import _chunk_triton as module
+    else:
+        module = _chunk_torch
+    recorded: list[Tensor] = []
+    chunk_fn = module.jsd_chunk_
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        losses = chunk_fn(*args, **kwargs)
+        recorded.append(kwargs["grad_out"].clone())
+        return losses
+
+    monkeypatch.setattr(module, "jsd_chunk_", recording)
+    # 150 rows, about 112 of them valid: 1/num_valid is not a power of two.
+    inputs = make_jsd_inputs(
+        torch.bfloat16, rows=150, student_hidden=48, teacher_hidden=64, vocab=301
+    )
+    _, (grad_input, grad_weight, grad_bias) = inputs.run(
+        lambda *args, **kwargs: grad_output * fused_linear_jsd(*args, **kwargs),
+        chunk_size=64,
+        implementation=implementation,
+    )
+    valid = inputs.true_labels != -100
+    logit_grad = torch.cat(recorded).double() * valid.unsqueeze(1)
+    scale = grad_output / int(valid.sum())
+    expected = {
+        "grad_input": logit_grad @ inputs.student_weight.double() * scale,
+        "grad_weight": logit_grad.T @ inputs.student_input.double() * scale,
+        "grad_bias": logit_grad.sum(dim=0) * scale,
+    }
+    for (name, exact), actual in zip(expected.items(), (grad_input, grad_weight, grad_bias)):
+        assert actual.dtype == torch.bfloat16
+        share_equal = (actual == exact.bfloat16()).double().mean().item()
+        assert share_equal >= 0.999, f"{name}: {share_equal:.4f} of the entries rounded once"
