@@ -2,17 +2,17 @@
 
 Runs on any device PyTorch runs on (CPU, CUDA, Ascend NPU, ...). Nothing builds an autograd
 graph and nothing reads a tensor value on the host. The rows of a chunk are processed in
-slices of a few hundred rows: every step is one PyTorch op (``log_softmax``, ``softmax``,
-``entr``, ``xlogy``, ``add`` ...) that reads its inputs once and writes into the teacher or
+slices of a few hundred rows: every step is one PyTorch op (``log_softmax``, ``exp``,
+``expm1``, ``xlog1py``, ``sum`` ...) that reads its inputs once and writes into the teacher or
 student logits (scratch once read) or a slice-sized buffer, so the chunk needs no ``(n, V)``
-buffer besides its two logits tensors. For ``0 < beta < 1`` a slice takes fifteen passes over
-its rows, about 30 float32 reads and writes per logit; the last op writes the gradient,
+buffer besides its two logits tensors. For ``0 < beta < 1`` a slice takes sixteen passes over
+its rows, about 35 float32 reads and writes per logit; the last op writes the gradient,
 rounded once to the matmul dtype. The math is for the summed loss, so every scale factor is a
 Python number (a device scalar such as 1/num_valid would send the elementwise ops down
 PyTorch's broadcasting path, up to twice as slow), and rows whose label is ``ignore_index``
 are left out of the losses but not masked in the gradient: the caller drops them. The fused
 loss hands this path float32 teacher logits (a bfloat16 teacher would cost a conversion pass
-per slice) and has the bfloat16 gradient written over their storage.
+per slice) and has the bfloat16 gradient packed at the start of their storage.
 
 ``gradref_kernels._chunk_triton`` implements :func:`jsd_chunk_` with the same contract.
 
@@ -28,16 +28,25 @@ give:
 - ``beta = 1`` (``KL(S||T)``): ``S * ((log S - log T) - KL(S||T)) / tau``
 - hard loss (cross-entropy of the unscaled logits): ``softmax(z) - onehot(label)``
 
-The mixture's loss is evaluated from the same three sums, ``beta*sum(T log T) +
-(1-beta)*sum(S log S) - sum(M log M)``, each accurate to a few ulps of its magnitude: the
-absolute error (~1e-6 for entropies near log V) is the one log-space float32 math has anyway.
-``entr`` (``-x log x``) and ``xlogy`` (``x log y``), both 0 where ``x`` is 0, keep teacher
-probabilities of exactly zero (a masked vocabulary entry) from turning ``0 * log 0`` into NaN.
+The loss is not evaluated as that difference of entropies: late in distillation, with the
+student close to the teacher, the divergence is tiny next to entropies of up to log V, and
+their float32 difference keeps few of its digits (2e-2 off at a per-row JSD of 2e-6). Every
+term is built from ``d = log T - log S`` per element instead, which is small there and exact
+to the rounding of the log-probabilities: with ``b = beta * expm1(d)`` and
+``L = log(M / S) = log1p(b)`` (so ``r = -L``),
+
+- ``0 < beta < 1``: ``beta * sum(T d) - sum(S L) - sum(S L b)`` (= ``beta sum(T d) -
+  sum(M L)``, since ``M = S (1 + b)``);
+- ``beta = 0``: ``sum(T d) + sum(S - T)``; ``beta = 1``: ``-sum(S d) - sum(S - T)``.
+
+Per element these are ``beta (T log(T/M) - T + M) + (1-beta) (S log(S/M) - S + M)`` and the
+generalised KL ``a log(a/b) - a + b``: non-negative, of second order in ``d``, and unmoved to
+first order by the rounding of the log-sum-exps (the ``sum(S - T)`` terms, zero in exact
+arithmetic, cancel theirs). A teacher probability of exactly zero (a masked vocabulary entry,
+``d = -inf``) makes ``T d`` NaN, which ``nansum`` counts as the zero it is.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -83,18 +92,20 @@ def _shares_softmax(temperature: float, vocab_s: int, vocab_t: int) -> bool:
     return temperature == 1.0 and vocab_t == vocab_s
 
 
-def _soft_loss_terms(beta: float) -> tuple[tuple[float, ...], float]:
-    """(coefficients, constant): a row's soft loss from the row sums :func:`_slice_` records.
+def _soft_loss_terms(beta: float) -> tuple[float, ...]:
+    """Coefficients: a row's soft loss from the row sums :func:`_slice_` records.
 
-    beta = 0: [sum entr(T), sum T log S]; beta = 1: [KL(S||T)]; otherwise [sum entr(S),
-    sum entr(T), sum entr(M/beta), sum(S log(M/beta) - S log S)] (entr(x) = -x log x, and
-    sum M log M = beta sum (M/beta) log(M/beta) + log beta).
+    With ``d = log T - log S`` per element (see the module docstring):
+    beta = 0: [sum T d, sum(S - T)], KL(T||S) = sum(T d - T + S);
+    beta = 1: [sum S d, sum(S - T)], KL(S||T) = sum(-S d + T - S);
+    otherwise: [sum T d, sum S L, sum S L b], ``L = log1p(b)``, ``b = beta * expm1(d)``:
+    beta * sum(T d) - sum(M L), with M L = S L (1 + b).
     """
     if beta == 0.0:
-        return (-1.0, -1.0), 0.0
+        return (1.0, 1.0)
     if beta == 1.0:
-        return (1.0,), 0.0
-    return (beta - 1.0, -beta, beta, 0.0), -math.log(beta)
+        return (-1.0, -1.0)
+    return (beta, -1.0, -1.0)
 
 
 def _slice_(
@@ -112,7 +123,7 @@ def _slice_(
     weight_soft: float,
 ) -> None:
     """One slice of ``r`` rows: the row sums of :func:`_soft_loss_terms` into ``sums``
-    (k, r), log softmax(z) at the label into ``label_log_p`` (r, 1) when the hard loss is
+    (3, r), log softmax(z) at the label into ``label_log_p`` (r, 1) when the hard loss is
     computed, and the gradient into ``grad_out`` (r, Vs).
 
     ``student`` (r, Vs) raw logits in the work dtype and ``teacher`` (r, Vt) raw logits in any
@@ -128,15 +139,13 @@ def _slice_(
     hard_grad = label_log_p is not None and weight_hard != 0.0
 
     # The teacher first, in the work dtype (copied when it comes in another) and scaled in
-    # place: T (or log T for beta = 1) goes to the work buffer, and the teacher logits are
-    # scratch from then on.
+    # place: log T goes to the work buffer, and the teacher logits are scratch from then on.
     scratch = teacher
     if teacher.dtype != work.dtype:
         scratch, taken = views[taken].copy_(teacher), taken + 1
     if temperature != 1.0:
         scratch.mul_(1.0 / temperature)
-    teacher_fn = torch.log_softmax if beta == 1.0 else torch.softmax
-    teacher_probs = teacher_fn(scratch, -1, out=work)
+    log_t = torch.log_softmax(scratch, -1, out=work)
 
     # log S of the scaled student logits zero-padded to the teacher's width (padding with
     # zeros is the same before or after scaling). ``prob_s`` is where S will be: the student
@@ -145,6 +154,8 @@ def _slice_(
     if shared:
         log_s = torch.log_softmax(student, -1, out=scratch)
         prob_s = student
+        if label_log_p is not None:
+            label_log_p.copy_(log_s.gather(1, labels))
     else:
         if label_log_p is not None:
             prob_hard = torch.log_softmax(student, -1, out=views[-1][:, :vocab_s])
@@ -154,56 +165,52 @@ def _slice_(
         scratch[:, vocab_s:].zero_()
         log_s = torch.log_softmax(scratch, -1, out=student if vocab_t == vocab_s else views[taken])
         prob_s = log_s
-    if shared and label_log_p is not None:
-        label_log_p.copy_(log_s.gather(1, labels))
 
-    entr = torch.special.entr  # -x log x, 0 at x = 0
-    # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
-    shared_hard = weight_hard if shared and hard_grad else 0.0
-    # Below, ``scratch`` is free again once log S is consumed. The gradient's two terms never
-    # lie in it, since grad_out may.
-    if beta == 0.0:
-        # KL(T||S) = sum T log T - sum T log S; gradient (S - T) / tau.
-        grad_scale = weight_soft / temperature
-        prob_t = teacher_probs
-        # T log S goes where S will be (shared) or to the scratch (not holding log S then).
-        product = prob_s if shared else scratch
-        torch.sum(torch.mul(prob_t, log_s, out=product), -1, out=sums[1])
-        grad = torch.exp(log_s, out=prob_s).mul_(grad_scale + shared_hard)
-        torch.sum(entr(prob_t, out=scratch), -1, out=sums[0])
-        last_term, last_scale = prob_t, -grad_scale
-    elif beta == 1.0:
-        # KL(S||T) = sum S (log S - log T); gradient S * ((log S - log T) - KL) / tau.
-        grad_scale = weight_soft / temperature
-        log_t = teacher_probs
-        # Where T is exactly 0, log T = -inf; clamped, an underflowed S there adds 0 rather
-        # than 0 * inf = NaN (an S above 0 makes the KL overflow to inf, as it should).
-        diff = torch.sub(log_s, log_t.clamp_min_(torch.finfo(log_t.dtype).min), out=work)
+    # d = log T - log S goes to the scratch (over log S itself when that lies there), S next
+    # to it. Where T is exactly 0 (a masked vocabulary entry) d is -inf: its terms are
+    # 0 * -inf = NaN in the sums of T d, which nansum counts as the 0 they are, and clamped
+    # for beta = 1, whose gradient multiplies d by S.
+    if shared:
         prob_s = torch.exp(log_s, out=prob_s)
-        s_diff = diff.mul_(prob_s)
-        kl = torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1))
-        # grad_scale * S * diff + (shared_hard - grad_scale * KL) * S
-        grad = prob_s.mul_(kl.mul(-grad_scale).add_(shared_hard))
-        last_term, last_scale = s_diff, grad_scale
+        diff = torch.sub(log_t, log_s, out=scratch)
     else:
-        # beta * KL(T||M) + (1-beta) * KL(S||M) = beta sum T log T + (1-beta) sum S log S
-        # - sum M log M; gradient (1-beta)/tau * S * (r - k), r = log S - log M, k = sum(S r).
-        # M enters as M/beta = T + (1-beta)/beta * S (one op), its log beta in the constants.
+        diff = torch.sub(log_t, log_s, out=scratch)
+        prob_s = prob_s.exp_()
+    # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
+    # Below, the gradient's two terms never lie in the scratch, since grad_out may.
+    shared_hard = weight_hard if shared and hard_grad else 0.0
+    if beta == 0.0:
+        # KL(T||S) = sum(T d) + sum(S - T) (each term small where S ~ T; sum S and sum T
+        # apart would each carry a rounding of 1); gradient (S - T) / tau.
+        grad_scale = weight_soft / temperature
+        prob_t = log_t.exp_()
+        torch.nansum(diff.mul_(prob_t), -1, out=sums[0])
+        s_minus_t = torch.sub(prob_s, prob_t, out=prob_t)
+        torch.sum(s_minus_t, -1, out=sums[1])
+        grad = prob_s.mul_(shared_hard)
+        last_term, last_scale = s_minus_t, grad_scale
+    elif beta == 1.0:
+        # KL(S||T) = -sum(S d) - sum(S - T); gradient S * (-d + sum(S d)) / tau.
+        grad_scale = weight_soft / temperature
+        torch.sum(torch.sub(prob_s, log_t.exp_(), out=log_t), -1, out=sums[1])
+        diff.clamp_min_(torch.finfo(diff.dtype).min)
+        s_diff = torch.mul(diff, prob_s, out=work)
+        s_diff_sum = torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1))
+        # grad_scale * S * sum(S d) + shared_hard * S - grad_scale * S d
+        grad = prob_s.mul_(s_diff_sum.mul(grad_scale).add_(shared_hard))
+        last_term, last_scale = s_diff, -grad_scale
+    else:
+        # beta * KL(T||M) + (1-beta) * KL(S||M) = beta sum(T d) - sum(M L), L = log(M / S)
+        # = log1p(b), b = beta expm1(d), M = S (1 + b); gradient (1-beta)/tau * S * (K - L),
+        # K = sum(S L). Every term is small where S ~ T, none a difference of large ones.
         grad_scale = weight_soft * (1.0 - beta) / temperature
-        prob_s = torch.exp(log_s, out=prob_s)
-        prob_t = teacher_probs
-        torch.sum(entr(prob_t, out=scratch), -1, out=sums[1])
-        mix = prob_t.add_(prob_s, alpha=(1.0 - beta) / beta)
-        torch.sum(entr(mix, out=scratch), -1, out=sums[2])
-        neg_s_log_s = entr(prob_s, out=scratch)
-        torch.sum(neg_s_log_s, -1, out=sums[0])
-        # -S r - S log beta = -S log S + S log(M/beta), summed as such: k + log beta is
-        # minus its sum, and the gradient grad_scale * S * (r - k) is
-        # -grad_scale * neg_r_term + grad_scale * sum(neg_r_term) * S.
-        neg_r_term = torch.special.xlogy(prob_s, mix, out=mix).add_(neg_s_log_s)
-        neg_r_sum = torch.sum(neg_r_term, -1, keepdim=True, out=sums[3].unsqueeze(1))
-        grad = prob_s.mul_(neg_r_sum.mul(grad_scale).add_(shared_hard))
-        last_term, last_scale = neg_r_term, -grad_scale
+        torch.nansum(log_t.exp_().mul_(diff), -1, out=sums[0])
+        mix_ratio = diff.expm1_().mul_(beta)  # b
+        s_log = torch.special.xlog1py(prob_s, mix_ratio, out=work)  # S L
+        s_log_sum = torch.sum(s_log, -1, keepdim=True, out=sums[1].unsqueeze(1))
+        torch.sum(mix_ratio.mul_(s_log), -1, out=sums[2])
+        grad = prob_s.mul_(s_log_sum.mul(grad_scale).add_(shared_hard))
+        last_term, last_scale = s_log, -grad_scale
 
     if hard_grad:
         grad.scatter_add_(1, labels, grad.new_full(labels.shape, -weight_hard))
@@ -249,7 +256,7 @@ def _chunk_(
     """:func:`jsd_chunk_` in slices of ``slice_rows`` rows."""
     rows = teacher_logits.shape[0]
     valid, safe_labels = _row_setup(labels, ignore_index)
-    coefficients, constant = _soft_loss_terms(beta)
+    coefficients = _soft_loss_terms(beta)
     sums = student_logits.new_empty((len(coefficients), rows))
     label_log_p = student_logits.new_empty((rows, 1)) if compute_hard else None
     options = {
@@ -273,10 +280,9 @@ def _chunk_(
             buffers,
             **options,
         )
-    soft_rows = torch.full_like(sums[0], constant)
+    soft_rows = torch.zeros_like(sums[0])
     for coefficient, row_sums in zip(coefficients, sums):
-        if coefficient != 0.0:
-            soft_rows.add_(row_sums, alpha=coefficient)
+        soft_rows.add_(row_sums, alpha=coefficient)
     soft_sum = _masked_sum(soft_rows.unsqueeze(1), valid)
     if label_log_p is None:
         return soft_sum, torch.zeros_like(soft_sum)

@@ -9,12 +9,16 @@ only at the end.
 Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
 
 * pass 1 [read 8V]: online log-sum-exp of the scaled student (zero-padded to Vt), of the
-  scaled teacher and, when the hard loss needs it, of the unscaled student.  For beta == 0 and
-  beta == 1 the soft loss is an expectation under T or S, accumulated online in the same pass.
-* pass 2 [read 8V], 0 < beta < 1 only: the soft loss and sum(S * r), r = log S - log M; both
-  need the two final log-sum-exps, so they cannot join pass 1.
+  scaled teacher and, when the hard loss needs it, of the unscaled student; for beta == 1 the
+  gradient's row constant KL(S||T), an expectation under S, in the same pass.
+* pass 2 [read 8V], 0 < beta < 1 only: the soft loss and K = sum(S L), L = log(M / S), from
+  d = log T - log S per element (see ``_chunk_torch``: terms small where S ~ T, none a
+  difference of large ones); both need the two final log-sum-exps, so they cannot join pass 1.
 * last pass [read 8V, write 4V]: the gradient (in the fused loss, over the teacher logits
-  each tile has just read).
+  each tile has just read) and, for beta == 0 and beta == 1, the soft loss.
+
+``expm1`` and ``log1p`` of small arguments come from short series (fused multiply-adds, no
+extra transcendental per element), so the passes stay bound by memory traffic.
 
 So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1} (fp32 teacher; a bf16
 teacher takes 2V per read and per write off); each pass runs in the opposite direction of the
@@ -24,8 +28,6 @@ synchronisation.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -61,15 +63,36 @@ if triton is not None:
     _NEG = tl.constexpr(-3.0e38)
 
     @triton.jit
-    def _logaddexp2(a, b, FAST_LOG2: tl.constexpr):
-        # Safe when one side is -inf (a teacher probability of exactly zero).
-        hi = tl.maximum(a, b)
-        x = 1.0 + tl.exp2(tl.minimum(a, b) - hi)
-        # x in [1, 2]: the hardware lg2.approx is within 2e-7 there, and one instruction
-        # instead of libdevice's ~30 keeps the per-element work under the memory time.
+    def _log2_fast(x, FAST_LOG2: tl.constexpr):
+        # The hardware lg2.approx is within 2e-7 of log2 on [1, 2) and one instruction instead
+        # of libdevice's ~30; callers use it where that absolute error is small next to the
+        # result.
         if FAST_LOG2:
-            return hi + libdevice.fast_log2f(x)
-        return hi + tl.log2(x)
+            return libdevice.fast_log2f(x)
+        return tl.log2(x)
+
+    @triton.jit
+    def _expm1(x):
+        """exp(x) - 1 to a few ulps of the result, also where |x| is small (exp(x) - 1 alone
+        would keep only the absolute accuracy of exp(x) near 1). -inf gives -1."""
+        # Taylor to x**7 / 7!, in two interleaved halves of Horner's scheme, at an argument
+        # clamped to where it is used (so that no branch overflows).
+        small = tl.minimum(tl.maximum(x, -0.25), 0.25)
+        x2 = small * small
+        odd = 1.0 + x2 * (1.0 / 6 + x2 * (1.0 / 120 + x2 / 5040))
+        even = 0.5 + x2 * (1.0 / 24 + x2 / 720)
+        series = small * odd + x2 * even
+        return tl.where(tl.abs(x) < 0.25, series, tl.exp2(x * _LOG2E_K) - 1.0)
+
+    @triton.jit
+    def _log1p(y, FAST_LOG2: tl.constexpr):
+        """log(1 + y), y > -1, to a few ulps of the result, also where |y| is small: there
+        2 atanh(y / (2 + y)) by its series, elsewhere log2(1 + y) ln 2."""
+        small = tl.minimum(tl.maximum(y, -0.25), 0.25)
+        w = small / (2.0 + small)
+        w2 = w * w
+        series = 2.0 * w * (1.0 + w2 * (1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 / 9))))
+        return tl.where(tl.abs(y) < 0.25, series, _log2_fast(1.0 + y, FAST_LOG2) * _LN2_K)
 
     @triton.jit
     def _rounded_to(x, dtype: tl.constexpr):
@@ -110,9 +133,7 @@ if triton is not None:
         ignore_index,
         scale2,  # log2(e) / temperature
         beta,
-        log2_beta,
-        log2_1mbeta,
-        soft_coef,  # d(soft)/dz factor, in base-2 units
+        soft_coef,  # d(soft)/dz factor
         weight_hard,
         MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
         HARD: tl.constexpr,
@@ -142,7 +163,7 @@ if triton is not None:
             d_s = tl.zeros([BLOCK_V], tl.float32)
             d_t = tl.zeros([BLOCK_V], tl.float32)
             d_z = tl.zeros([BLOCK_V], tl.float32)
-            e = tl.zeros([BLOCK_V], tl.float32)  # beta 0: E_T[t - s] terms; beta 1: E_S[s - t]
+            e = tl.zeros([BLOCK_V], tl.float32)  # beta 1: E_S[s - t] terms
             z_label = 0.0
             if HARD:
                 # An out-of-range label reads nothing and turns the hard loss into NaN.
@@ -150,7 +171,7 @@ if triton is not None:
                     z_row + label, mask=(label >= 0) & (label < vs), other=float("nan")
                 )
 
-            # Pass 1: log-sum-exps (and the KL endpoints' expectations).
+            # Pass 1: log-sum-exps (and, for beta = 1, the gradient's row constant).
             for start in range(0, vt, BLOCK_V):
                 cols = start + offs
                 in_t = cols < vt
@@ -160,10 +181,8 @@ if triton is not None:
                 xs = tl.where(in_t, z * scale2, _NEG)
                 xt = tl.where(in_t, t * scale2, _NEG)
                 m_s, d_s, alpha_s, p_s = _online_lse2(m_s, d_s, xs)
-                m_t, d_t, alpha_t, p_t = _online_lse2(m_t, d_t, xt)
+                m_t, d_t, _, _ = _online_lse2(m_t, d_t, xt)
                 # Zero-weight terms are masked out before the product, so no 0 * inf.
-                if MODE == 0:
-                    e = e * alpha_t + p_t * tl.where(p_t > 0, xt - xs, 0.0)
                 if MODE == 1:
                     e = e * alpha_s + p_s * tl.where(p_s > 0, xs - xt, 0.0)
                 if HARD and not SHARE_LSE:
@@ -178,17 +197,18 @@ if triton is not None:
             if HARD and not SHARE_LSE:
                 lse_z = m_z + tl.log2(tl.sum(d_z, 0))
 
-            # The gradient's row constant: KL for beta in {0, 1}, sum(S * r) for the mixture.
+            # The gradient's row constant, in natural units: KL(S||T) for beta = 1 (from pass
+            # 1), K = sum(S L) for the mixture (pass 2).
             k = 0.0
-            if MODE == 0:
-                soft2 = tl.sum(e, 0) / sum_t - lse_t + lse_s  # KL(T || S)
-            elif MODE == 1:
-                k = tl.sum(e, 0) / sum_s - lse_s + lse_t  # KL(S || T)
-                soft2 = k
-            else:
-                # Pass 2: JSD terms; needs both final log-sum-exps.
-                acc_s = tl.zeros([BLOCK_V], tl.float32)
-                acc_t = tl.zeros([BLOCK_V], tl.float32)
+            if MODE == 1:
+                k = (tl.sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
+            if MODE == 2:
+                # Pass 2: the loss, beta sum(T d) - sum(S L) - sum(S L b) with d = log T - log S,
+                # b = beta expm1(d), L = log1p(b) (see _chunk_torch): every term is small where
+                # S ~ T, none a difference of large ones. Needs both final log-sum-exps.
+                acc_td = tl.zeros([BLOCK_V], tl.float32)
+                acc_sl = tl.zeros([BLOCK_V], tl.float32)
+                acc_slb = tl.zeros([BLOCK_V], tl.float32)
                 # Backwards, so the first tiles re-read are the ones pass 1 read last and the
                 # L2 cache may still hold; the last pass then runs forwards for the same reason.
                 last_t = (vt - 1) // BLOCK_V * BLOCK_V
@@ -198,41 +218,54 @@ if triton is not None:
                     z = tl.load(z_row + cols, mask=cols < vs, other=0.0)
                     t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                     ls = z * scale2 - lse_s
-                    lt = t * scale2 - lse_t
-                    lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
-                    s = tl.exp2(ls)
-                    q = tl.exp2(lt)
-                    acc_s += tl.where(in_t, s * (ls - lm), 0.0)
-                    # A zero teacher probability adds 0, never 0 * -inf.
-                    acc_t += q * tl.where(in_t & (q > 0), lt - lm, 0.0)
-                k = tl.sum(acc_s, 0)
-                soft2 = beta * tl.sum(acc_t, 0) + (1.0 - beta) * k
-            tl.store(soft_ptr + row, soft2 * _LN2_K)
+                    d = (t * scale2 - lse_t - ls) * _LN2_K
+                    s = tl.where(in_t, tl.exp2(ls), 0.0)
+                    e = _expm1(d)
+                    b = beta * e
+                    sl = s * _log1p(b, FAST_LOG2)
+                    # T d = S (1 + e) d; a zero teacher probability (d = -inf, e = -1) adds 0.
+                    acc_td += s * (1.0 + e) * tl.where(e > -1.0, d, 0.0)
+                    acc_sl += sl
+                    acc_slb += sl * b
+                k = tl.sum(acc_sl, 0)
+                tl.store(soft_ptr + row, beta * tl.sum(acc_td, 0) - k - tl.sum(acc_slb, 0))
             if HARD:
                 tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
-            # Last pass: the gradient (the student's padding columns have none). Each tile is
-            # written after it is read, so the output may be the teacher logits themselves.
-            last_s = (vs - 1) // BLOCK_V * BLOCK_V
-            for i in range(0, vs, BLOCK_V):
-                cols = (i if MODE == 2 else last_s - i) + offs
+            # Last pass: the gradient (the student's padding columns have none) and, for the
+            # KL endpoints, the loss: KL(T||S) = sum(T d + S - T), KL(S||T) = sum(-S d - S + T),
+            # small terms where S ~ T (the lse_t - lse_s of pass 1 would carry their rounding).
+            # Each tile is written after it is read, so the output may be the teacher logits.
+            acc = tl.zeros([BLOCK_V], tl.float32)
+            width = vs if MODE == 2 else vt
+            last = (width - 1) // BLOCK_V * BLOCK_V
+            for i in range(0, width, BLOCK_V):
+                cols = (i if MODE == 2 else last - i) + offs
                 in_s = cols < vs
+                in_t = cols < vt
                 z = tl.load(z_row + cols, mask=in_s, other=0.0)
-                t = tl.load(t_row + cols, mask=in_s, other=0.0).to(tl.float32)
+                t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                 ls = z * scale2 - lse_s
                 lt = t * scale2 - lse_t
+                d = (lt - ls) * _LN2_K
                 s = tl.exp2(ls)
                 if MODE == 0:
-                    g = soft_coef * (s - tl.exp2(lt))
+                    q = tl.exp2(lt)
+                    g = soft_coef * (s - q)
+                    # Zero-weight terms are masked out before the product, so no 0 * inf.
+                    acc += tl.where(in_t, q * tl.where(q > 0, d, 0.0) + (s - q), 0.0)
                 elif MODE == 1:
-                    g = soft_coef * s * (ls - lt - k)
+                    q = tl.exp2(lt)
+                    g = soft_coef * s * (-d - k)
+                    acc += tl.where(in_t, s * tl.where(s > 0, -d, 0.0) + (q - s), 0.0)
                 else:
-                    lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
-                    g = soft_coef * s * (ls - lm - k)
+                    g = soft_coef * s * (k - _log1p(beta * _expm1(d), FAST_LOG2))
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
                 tl.store(out_row + cols, _rounded_to(g, out_ptr.dtype.element_ty), mask=in_s)
+            if MODE != 2:
+                tl.store(soft_ptr + row, tl.sum(acc, 0))
 
     @triton.jit
     def _scaled_cast_kernel(src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
@@ -310,12 +343,10 @@ def _launch(
     hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
     if n > 0:
         mode = _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
-        # d(soft)/dz in base-2 units: the mixture and beta = 1 gradients carry a log, beta = 0 not.
+        # d(soft)/dz factor (the kernel's logs are in natural units there).
         soft_coef = weight_soft / temperature
-        if mode == _BETA_1:
-            soft_coef *= _LN2
-        elif mode == _BETA_MIXED:
-            soft_coef *= _LN2 * (1.0 - beta)
+        if mode == _BETA_MIXED:
+            soft_coef *= 1.0 - beta
         _jsd_chunk_kernel[(n,)](
             student_logits,
             teacher_logits,
@@ -331,8 +362,6 @@ def _launch(
             ignore_index,
             _LOG2E / temperature,
             beta,
-            math.log2(beta) if beta > 0.0 else 0.0,
-            math.log2(1.0 - beta) if beta < 1.0 else 0.0,
             soft_coef,
             weight_hard,
             MODE=mode,
