@@ -184,17 +184,17 @@ class Impl:
     unavailable: str = ""
 
 
-def _ours(path: str, chunk_size: int) -> LossFn:
+def _ours(path: str, chunk_size: int, loss_kwargs: dict[str, Any]) -> LossFn:
     # compiled=False: the portable path as NPU users run it, with no torch.compile.
-    kwargs = {**LOSS_KWARGS, "chunk_size": chunk_size, "implementation": path, "compiled": False}
+    kwargs = {**loss_kwargs, "chunk_size": chunk_size, "implementation": path, "compiled": False}
     return lambda p: fused_linear_jsd(*p.args(), **kwargs)
 
 
-def _eager(p: Problem) -> torch.Tensor:
-    return jsd_distillation_reference(*p.args(), **LOSS_KWARGS)
+def _eager(loss_kwargs: dict[str, Any]) -> LossFn:
+    return lambda p: jsd_distillation_reference(*p.args(), **loss_kwargs)
 
 
-def _liger_impls(chunk_size: int) -> list[Impl]:
+def _liger_impls(chunk_size: int, loss_kwargs: dict[str, Any]) -> list[Impl]:
     """Liger-Kernel's chunked loss, compiled and eager; rows that say why when not importable."""
     about = "liger_kernel LigerFusedLinearJSDLoss, compiled={}"
     try:
@@ -207,7 +207,7 @@ def _liger_impls(chunk_size: int) -> list[Impl]:
         ]
 
     def liger(compiled: bool) -> LossFn:
-        module = LigerFusedLinearJSDLoss(**LOSS_KWARGS, compiled=compiled, chunk_size=chunk_size)
+        module = LigerFusedLinearJSDLoss(**loss_kwargs, compiled=compiled, chunk_size=chunk_size)
         return lambda p: module(*p.args())
 
     return [
@@ -216,19 +216,25 @@ def _liger_impls(chunk_size: int) -> list[Impl]:
     ]
 
 
-def all_impls(device: torch.device, chunk_size: int) -> list[Impl]:
+def all_impls(
+    device: torch.device, chunk_size: int, loss_kwargs: dict[str, Any] = LOSS_KWARGS
+) -> list[Impl]:
     about = "gradref_kernels fused_linear_jsd, implementation={!r}, compiled=False"
     on_cuda = device.type == "cuda"
     return [
-        Impl("ours-torch", about.format("torch"), _ours("torch", chunk_size)),
+        Impl("ours-torch", about.format("torch"), _ours("torch", chunk_size, loss_kwargs)),
         Impl(
             "ours-triton",
             about.format("triton"),
-            _ours("triton", chunk_size) if on_cuda else None,
+            _ours("triton", chunk_size, loss_kwargs) if on_cuda else None,
             "" if on_cuda else "measured on CUDA only",
         ),
-        Impl("eager", "jsd_distillation_reference: full logits, in the input dtype", _eager),
-        *_liger_impls(chunk_size),
+        Impl(
+            "eager",
+            "jsd_distillation_reference: full logits, in the input dtype",
+            _eager(loss_kwargs),
+        ),
+        *_liger_impls(chunk_size, loss_kwargs),
     ]
 
 
@@ -406,14 +412,13 @@ def _progress(row: PerfRow) -> None:
 
 @dataclass
 class PrecisionRow:
-    shape: str
+    case: str  # the problem: shape and dtype, or the close-distributions case
     impl: str
     quantity: str  # loss | grad student_input | grad student_weight | grad student_bias
     status: str
     reason: str = ""
-    max_rel: float | None = None  # greatest |a - g| / max(|g|, tiny), elementwise
-    mean_rel: float | None = None  # mean of the same
     norm_rel: float | None = None  # ||a - g|| / ||g||
+    max_rel: float | None = None  # max |a - g| / max |g|
 
 
 def loss_and_grads(loss_fn: LossFn, problem: Problem) -> dict[str, torch.Tensor]:
@@ -427,39 +432,83 @@ def loss_and_grads(loss_fn: LossFn, problem: Problem) -> dict[str, torch.Tensor]
     return results
 
 
-def relative_errors(actual: torch.Tensor, golden: torch.Tensor) -> tuple[float, float, float]:
-    # Below the input dtype's smallest normal number a relative error means nothing.
-    tiny = torch.finfo(DTYPE).tiny
+def relative_errors(actual: torch.Tensor, golden: torch.Tensor) -> tuple[float, float]:
+    """Norm-wise and max-wise relative error: how the field reads a result's accuracy (a mean
+    of elementwise relative errors is dominated by the entries near zero)."""
     diff = (actual.double() - golden).abs()
-    elementwise = diff / golden.abs().clamp_min(tiny)
+    tiny = torch.finfo(torch.float64).tiny
     norm = (diff.norm() / golden.norm().clamp_min(tiny)).item()
-    return elementwise.max().item(), elementwise.mean().item(), norm
+    worst = (diff.max() / golden.abs().max().clamp_min(tiny)).item()
+    return norm, worst
 
 
 def precision_rows(
-    shape: Shape, impls: Sequence[Impl], device: torch.device, bias: bool
+    case: str,
+    problem: Problem,
+    dtype: torch.dtype,
+    impls: Sequence[Impl],
+    loss_kwargs: dict[str, Any] = LOSS_KWARGS,
+    loss_only: bool = False,
 ) -> list[PrecisionRow]:
-    """Each implementation on DTYPE inputs against the reference on float64 copies of them."""
-    problem = make_problem(shape, device, bias, seed=1)
-    golden = loss_and_grads(_eager, problem.copy_as(torch.float64))
+    """Each implementation on `dtype` copies of the problem against the reference on float64
+    copies of it."""
+    golden = loss_and_grads(_eager(loss_kwargs), problem.copy_as(torch.float64))
     rows = []
     for impl in impls:
         if impl.loss_fn is None:
-            rows.append(PrecisionRow(shape.name, impl.name, "all", "skipped", impl.unavailable))
+            rows.append(PrecisionRow(case, impl.name, "all", "skipped", impl.unavailable))
             continue
         try:
-            actual = loss_and_grads(impl.loss_fn, problem.copy_as(DTYPE))
+            actual = loss_and_grads(impl.loss_fn, problem.copy_as(dtype))
         except torch.OutOfMemoryError as exc:
-            rows.append(PrecisionRow(shape.name, impl.name, "all", "oom", str(exc).splitlines()[0]))
+            rows.append(PrecisionRow(case, impl.name, "all", "oom", str(exc).splitlines()[0]))
         except Exception as exc:  # one broken implementation must not end the run
             traceback.print_exc()
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            rows.append(PrecisionRow(shape.name, impl.name, "all", "error", reason))
+            rows.append(PrecisionRow(case, impl.name, "all", "error", reason))
         else:
             for quantity, value in actual.items():
+                if loss_only and quantity != "loss":
+                    continue
                 errors = relative_errors(value, golden[quantity])
-                rows.append(PrecisionRow(shape.name, impl.name, quantity, "ok", "", *errors))
-        free_memory(device)
+                rows.append(PrecisionRow(case, impl.name, quantity, "ok", "", *errors))
+        free_memory(problem.student_input.device)
+    return rows
+
+
+# Late in distillation: the teacher's weight is the student's, perturbed by this much of its
+# spread, so the per-row JSD is small next to the entropies (about 3e-5 and 2e-6 at beta 0.5).
+CLOSE_SHAPE = Shape("close", 256, 64, 64, 4096)
+CLOSE_PERTURBATIONS = (8e-3, 2e-3)
+CLOSE_KWARGS = {**LOSS_KWARGS, "weight_hard_loss": 0.0, "weight_soft_loss": 1.0}
+
+
+def close_problem(device: torch.device, perturbation: float) -> Problem:
+    """CLOSE_SHAPE in float32, the teacher's input the student's and its weight a perturbed
+    copy of the student's."""
+    base = make_problem(CLOSE_SHAPE, device, bias=False, seed=2).copy_as(torch.float32)
+    gen = torch.Generator(device=device).manual_seed(3)
+    weight = base.student_weight.detach()
+    noise = torch.randn(weight.shape, generator=gen, device=device) * weight.std()
+    return dataclasses.replace(
+        base,
+        teacher_input=base.student_input.detach(),
+        teacher_weight=weight + perturbation * noise,
+    )
+
+
+def close_precision_rows(
+    device: torch.device, chunk_size: int, names: Sequence[str]
+) -> list[PrecisionRow]:
+    """The float32 soft loss of each implementation where student and teacher are close."""
+    impls = [impl for impl in all_impls(device, chunk_size, CLOSE_KWARGS) if impl.name in names]
+    rows = []
+    for perturbation in CLOSE_PERTURBATIONS:
+        problem = close_problem(device, perturbation)
+        with torch.no_grad():
+            jsd = _eager(CLOSE_KWARGS)(problem.copy_as(torch.float64)).item()
+        case = f"{CLOSE_SHAPE.name} fp32, JSD per row {jsd:.1e}"
+        rows += precision_rows(case, problem, torch.float32, impls, CLOSE_KWARGS, loss_only=True)
     return rows
 
 
@@ -505,14 +554,14 @@ def perf_table(rows: Sequence[PerfRow]) -> str:
 
 
 def precision_table(rows: Sequence[PrecisionRow]) -> str:
-    headers = ["impl", "quantity", "max rel", "mean rel", "norm rel", "status"]
+    headers = ["case", "impl", "quantity", "norm-wise rel", "max-wise rel", "status"]
     body = [
         [
+            row.case,
             row.impl,
             row.quantity,
-            _fmt(row.max_rel, digits=2),
-            _fmt(row.mean_rel, digits=2),
             _fmt(row.norm_rel, digits=2),
+            _fmt(row.max_rel, digits=2),
             row.status if row.status == "ok" else f"{row.status}: {row.reason}",
         ]
         for row in rows
@@ -672,7 +721,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     precision_shape = shapes[0].with_rows(min(shapes[0].n, PRECISION_MAX_ROWS))
     if not args.skip_precision:
         print(f"precision: {precision_shape.name} against float64", flush=True)
-        precision = precision_rows(precision_shape, impls, args.device, args.bias)
+        problem = make_problem(precision_shape, args.device, args.bias, seed=1)
+        case = f"{precision_shape.name} {DTYPE_NAME}"
+        precision = precision_rows(case, problem, DTYPE, impls)
+        precision += close_precision_rows(args.device, chunk_size, args.impls)
 
     device = device_name(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -687,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     timing = f"median of {settings.iters} after {settings.warmup} warm-ups"
     print(f"\n## {DTYPE_NAME} forward + backward on {device} ({timing})\n\n{perf_table(perf)}")
     if precision:
-        print(f"\n## Precision at {precision_shape.name}: {DTYPE_NAME} vs float64 reference\n")
+        print("\n## Precision against the float64 reference\n")
         print(precision_table(precision))
     print(f"\n{meta['wall_s']:.0f} s; results in {args.out}/")
 
