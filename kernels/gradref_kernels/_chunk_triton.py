@@ -29,6 +29,8 @@ synchronisation.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -72,12 +74,26 @@ if triton is not None:
         return tl.log2(x)
 
     @triton.jit
-    def _expm1(x):
+    def _logaddexp2(a, b, FAST_LOG2: tl.constexpr):
+        # Safe when one side is -inf (a teacher probability of exactly zero).
+        hi = tl.maximum(a, b)
+        return hi + _log2_fast(1.0 + tl.exp2(tl.minimum(a, b) - hi), FAST_LOG2)
+
+    @triton.jit
+    def _series_argument(x, CLAMP: tl.constexpr):
+        # The series below are selected only where |x| < 0.25; elsewhere their value is
+        # dropped. Compiled, an overflow there costs nothing; the CPU interpreter (numpy)
+        # warns about it, so it gets the argument clamped.
+        if CLAMP:
+            return tl.minimum(tl.maximum(x, -0.25), 0.25)
+        return x
+
+    @triton.jit
+    def _expm1(x, CLAMP: tl.constexpr):
         """exp(x) - 1 to a few ulps of the result, also where |x| is small (exp(x) - 1 alone
         would keep only the absolute accuracy of exp(x) near 1). -inf gives -1."""
-        # Taylor to x**7 / 7!, in two interleaved halves of Horner's scheme, at an argument
-        # clamped to where it is used (so that no branch overflows).
-        small = tl.minimum(tl.maximum(x, -0.25), 0.25)
+        # Taylor to x**7 / 7!, in two interleaved halves of Horner's scheme.
+        small = _series_argument(x, CLAMP)
         x2 = small * small
         odd = 1.0 + x2 * (1.0 / 6 + x2 * (1.0 / 120 + x2 / 5040))
         even = 0.5 + x2 * (1.0 / 24 + x2 / 720)
@@ -85,11 +101,12 @@ if triton is not None:
         return tl.where(tl.abs(x) < 0.25, series, tl.exp2(x * _LOG2E_K) - 1.0)
 
     @triton.jit
-    def _log1p(y, FAST_LOG2: tl.constexpr):
+    def _log1p(y, FAST_LOG2: tl.constexpr, CLAMP: tl.constexpr):
         """log(1 + y), y > -1, to a few ulps of the result, also where |y| is small: there
         2 atanh(y / (2 + y)) by its series, elsewhere log2(1 + y) ln 2."""
-        small = tl.minimum(tl.maximum(y, -0.25), 0.25)
-        w = small / (2.0 + small)
+        small = _series_argument(y, CLAMP)
+        # The default division (2 ulp, not IEEE-rounded) is plenty for the series' argument.
+        w = tl.fdiv(small, 2.0 + small)
         w2 = w * w
         series = 2.0 * w * (1.0 + w2 * (1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 / 9))))
         return tl.where(tl.abs(y) < 0.25, series, _log2_fast(1.0 + y, FAST_LOG2) * _LN2_K)
@@ -133,12 +150,15 @@ if triton is not None:
         ignore_index,
         scale2,  # log2(e) / temperature
         beta,
+        log2_beta,
+        log2_1mbeta,
         soft_coef,  # d(soft)/dz factor
         weight_hard,
         MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
         HARD: tl.constexpr,
         SHARE_LSE: tl.constexpr,  # softmax(z) == S (tau == 1, Vt == Vs)
         FAST_LOG2: tl.constexpr,  # compiled for NVIDIA; the CPU interpreter lacks libdevice
+        CLAMP: tl.constexpr,  # interpreted: see _series_argument
         BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -218,13 +238,14 @@ if triton is not None:
                     z = tl.load(z_row + cols, mask=cols < vs, other=0.0)
                     t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                     ls = z * scale2 - lse_s
-                    d = (t * scale2 - lse_t - ls) * _LN2_K
+                    # A zero teacher probability gives d = -inf: clamped, its T d = S (1 + e) d
+                    # is 0 * finite = 0, never 0 * inf.
+                    d = tl.maximum((t * scale2 - lse_t - ls) * _LN2_K, _NEG)
                     s = tl.where(in_t, tl.exp2(ls), 0.0)
-                    e = _expm1(d)
+                    e = _expm1(d, CLAMP)
                     b = beta * e
-                    sl = s * _log1p(b, FAST_LOG2)
-                    # T d = S (1 + e) d; a zero teacher probability (d = -inf, e = -1) adds 0.
-                    acc_td += s * (1.0 + e) * tl.where(e > -1.0, d, 0.0)
+                    sl = s * _log1p(b, FAST_LOG2, CLAMP)
+                    acc_td += s * (1.0 + e) * d
                     acc_sl += sl
                     acc_slb += sl * b
                 k = tl.sum(acc_sl, 0)
@@ -259,7 +280,11 @@ if triton is not None:
                     g = soft_coef * s * (-d - k)
                     acc += tl.where(in_t, s * tl.where(s > 0, -d, 0.0) + (q - s), 0.0)
                 else:
-                    g = soft_coef * s * (k - _log1p(beta * _expm1(d), FAST_LOG2))
+                    # L = log(M / S) again, from log M as a log-sum-exp: to about 2e-7 absolute,
+                    # far below the rounding of the gradient to the matmul dtype, at a third of
+                    # the work of pass 2's form (this pass also writes).
+                    lm = _logaddexp2(ls + log2_1mbeta, lt + log2_beta, FAST_LOG2)
+                    g = soft_coef * s * (k - (lm - ls) * _LN2_K)
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
@@ -362,12 +387,15 @@ def _launch(
             ignore_index,
             _LOG2E / temperature,
             beta,
+            math.log2(beta) if beta > 0.0 else 0.0,
+            math.log2(1.0 - beta) if beta < 1.0 else 0.0,
             soft_coef,
             weight_hard,
             MODE=mode,
             HARD=compute_hard,
             SHARE_LSE=temperature == 1.0 and vt == vs,
             FAST_LOG2=_compiled() and torch.version.hip is None,
+            CLAMP=not _compiled(),
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
