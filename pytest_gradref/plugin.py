@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
@@ -24,55 +23,25 @@ from pytest_gradref.markers import (
     device_mark,
     parse_gradref_mark,
 )
-from pytest_gradref.reference import CheckPolicy, GradReference, Recording, StrategyChoice
+from pytest_gradref.reference import CheckPolicy, GradReference, Recording
 from pytest_gradref.report import REPORT_HELP, ReportCollector, record_for_test
 from pytest_gradref.settings import (
     DEVICE_OPTION,
     SEED_OPTION,
     STRATEGY_OPTION,
-    DeviceRequest,
-    Setup,
     parse_device,
     parse_seed,
     parse_strategy,
     read_setting,
-    resolve,
     seed_for_test,
 )
+from pytest_gradref.state import GradrefState, recording_key, state_key
+from pytest_gradref.state import gradref_state as _state
 
 if TYPE_CHECKING:
     import torch
 
 FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
-
-
-@dataclass
-class GradrefState:
-    """Per-session state: the registry, the parsed settings and, once needed, the setup."""
-
-    registry: BackendRegistry
-    device_request: DeviceRequest
-    strategy: StrategyChoice | None
-    strategy_source: str
-    seed: int
-    report: ReportCollector
-    resolved: Setup | None = None
-    reported: bool = False
-
-    def setup(self) -> Setup:
-        if self.resolved is None:
-            self.resolved = resolve(
-                self.device_request, self.strategy, self.strategy_source, self.registry
-            )
-        return self.resolved
-
-
-state_key = pytest.StashKey[GradrefState]()
-recording_key = pytest.StashKey[Recording]()
-
-
-def _state(config: pytest.Config) -> GradrefState:
-    return config.stash[state_key]
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
