@@ -13,9 +13,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from pytest_gradref.backends import STRATEGIES, Strategy
 from pytest_gradref.compare import (
     ItemCheck,
     ResolvedTolerance,
@@ -29,12 +28,11 @@ from pytest_gradref.compare import (
     less_precise,
     resolve_tolerance,
 )
+from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
 
 if TYPE_CHECKING:
     import torch
 
-StrategyChoice = Literal["autograd", "grad_and_value", "crosscheck"]
-STRATEGY_CHOICES: tuple[StrategyChoice, ...] = ("autograd", "grad_and_value", "crosscheck")
 Argnums = Union[int, Sequence[int]]
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
 ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]

@@ -6,8 +6,6 @@ there, written as JSON with ``--gradref-report=PATH`` and summarised in the term
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,12 +18,6 @@ if TYPE_CHECKING:
     from pytest_gradref.reference import Recording
     from pytest_gradref.settings import Setup
 
-REPORT_HELP = (
-    "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
-    "item the dtype, greatest absolute and relative error, the tolerance or budget used and "
-    "the headroom left; under --gradref-strategy=crosscheck also how far autograd and "
-    "grad_and_value disagree."
-)
 TIGHTEST_SHOWN = 10
 
 
@@ -37,6 +29,8 @@ def _finite(value: Any) -> Any:
 
 
 def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    import dataclasses
+
     return {k: _finite(v) for k, v in dataclasses.asdict(obj).items() if k not in drop}
 
 
@@ -71,6 +65,8 @@ class ReportCollector:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.path is None or hasattr(session.config, "workerinput"):
             return
+        import json
+
         tests = sorted(self.records, key=lambda r: r["nodeid"])
         document = {"base_seed": self.base_seed, "tests": tests}
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,10 @@ import pytest
 
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
-    from pytest_gradref.reference import Recording, StrategyChoice
+    from pytest_gradref.reference import Recording
     from pytest_gradref.report import ReportCollector
     from pytest_gradref.settings import DeviceRequest, Setup
+    from pytest_gradref.strategies import StrategyChoice
 
 
 @dataclass
