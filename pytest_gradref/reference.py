@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
 from pytest_gradref.compare import (
+    BudgetItem,
+    Item,
     ItemCheck,
     ResolvedTolerance,
     Tolerance,
+    ToleranceItem,
     ToleranceOverride,
-    check_budget,
-    check_tolerance,
+    check_items,
     dtype_name,
     epsilon,
     format_failures,
@@ -161,17 +163,17 @@ class Reference:
         extra: tuple[ToleranceOverride, ...] = ()
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
-        checks = []
+        items: list[Item] = []
         for label, actual, expected, golden in self._pair_items(
             actual_value, actual_grads, param_grads
         ):
             if budget is not None:
-                checks.append(check_budget(label, actual, expected, golden, budget))
+                items.append(BudgetItem(label, actual, expected, golden, budget))
                 continue
             dtype = expected.dtype if actual is None else less_precise(actual.dtype, expected.dtype)
-            checks.append(
-                check_tolerance(label, actual, expected, self.policy.tolerance(dtype, extra))
-            )
+            resolved = self.policy.tolerance(dtype, extra)
+            items.append(ToleranceItem(label, actual, expected, resolved))
+        checks = check_items(items)  # one host read for all items
         if self.policy.recording is not None:
             self.policy.recording.checks.extend(checks)
         if not all(check.passed for check in checks):
