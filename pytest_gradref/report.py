@@ -29,9 +29,9 @@ def _finite(value: Any) -> Any:
 
 
 def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    import dataclasses
-
-    return {k: _finite(v) for k, v in dataclasses.asdict(obj).items() if k not in drop}
+    """A flat dataclass instance's fields as a dict (vars: asdict's deep copy costs a test
+    more than its comparison)."""
+    return {k: _finite(v) for k, v in vars(obj).items() if k not in drop}
 
 
 def record_for_test(
