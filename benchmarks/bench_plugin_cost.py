@@ -166,16 +166,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _env() -> dict[str, str]:
-    """The environment for the child processes: bytecode cached, as an installed package has."""
+    """The environment for the child processes: this checkout's package first on the path,
+    bytecode cached (as an installed package has it), no gradref settings from outside."""
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     for name in ("GRADREF_DEVICE", "GRADREF_STRATEGY", "GRADREF_SEED", "PYTEST_ADDOPTS"):
         env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
 
-def _pytest(directory: Path, args: Sequence[str], env: dict[str, str]) -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+def _installed() -> bool:
+    """Whether pytest loads the plugin by its entry point (the package is installed)."""
+    import importlib.metadata
+
+    return any(ep.name == "gradref" for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+# Loads the plugin where it is not installed, only importable (from this checkout).
+PLUGIN_ARGS = [] if _installed() else ["-p", "pytest_gradref.plugin"]
+
+
+def _pytest(directory: Path, args: Sequence[str], env: dict[str, str], plugin: bool = True) -> None:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    if plugin:
+        command += PLUGIN_ARGS
+    elif not PLUGIN_ARGS:
+        command += ["-p", "no:gradref"]
+    command += args
     done = subprocess.run(command, cwd=directory, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
@@ -220,15 +238,8 @@ def measure_tests(directory: Path, args: argparse.Namespace, env: dict[str, str]
         plugin, hand = sum(times["plugin"]), sum(times["hand"])
         per_test = [p / h for p, h in zip(times["plugin"], times["hand"]) if h > 0]
         alone_junit = directory / f"junit{run}-alone.xml"
-        alone_args = [
-            "test_cost.py",
-            "-k",
-            "hand or warmup",
-            "-p",
-            "no:gradref",
-            f"--junitxml={alone_junit}",
-        ]
-        _pytest(directory, alone_args, env)
+        alone_args = ["test_cost.py", "-k", "hand or warmup", f"--junitxml={alone_junit}"]
+        _pytest(directory, alone_args, env, plugin=False)
         alone = sum(per_test_times(alone_junit)["hand"])
         ratios.append(plugin / hand)
         alone_ratios.append(plugin / alone)
@@ -319,13 +330,16 @@ print(f"torch {{torch.__version__}}, {{device}} ({{name}}), {{threads}} CPU thre
       f"Python {{platform.python_version()}}")
 """
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    try:
+        commit = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError:  # no git
+        commit = ""
     print(f"# pytest-gradref cost, commit {commit or '?'}")
     print(done.stdout.strip() or done.stderr.strip())
 
