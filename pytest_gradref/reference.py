@@ -44,8 +44,10 @@ ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Mo
 class Disagreement:
     """How far autograd and grad_and_value differ on one item (crosscheck).
 
-    ``exceeds_tolerance`` says whether the two differ by more than the item's tolerance,
-    i.e. whether the choice of strategy alone could fail a test.
+    ``received`` is the strategy whose result the test received (the backend's default) and
+    ``checked_against`` the other one, computed only to compare. ``exceeds_tolerance`` says
+    whether the two differ by more than the item's tolerance, i.e. whether the choice of
+    strategy alone could fail a test.
     """
 
     label: str
@@ -54,6 +56,8 @@ class Disagreement:
     max_rel: float
     exceeds_tolerance: bool
     tolerance: str
+    received: Strategy
+    checked_against: Strategy
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Recording:
 
     checks: list[ItemCheck] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)
+    # The strategy whose result each reference handed the test (never "crosscheck").
     strategies: list[str] = field(default_factory=list)
 
 
@@ -461,8 +466,14 @@ _STRATEGY_FUNCTIONS: dict[Strategy, Callable[[_Problem], _Result]] = {
 
 
 def _disagreement(
-    label: str, a: torch.Tensor, b: torch.Tensor, policy: CheckPolicy
+    label: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    policy: CheckPolicy,
+    received: Strategy,
+    checked_against: Strategy,
 ) -> Disagreement:
+    """How far ``a`` (received) and ``b`` (checked against) differ."""
     import torch
 
     a64, b64 = a.detach().double(), b.detach().double()
@@ -470,12 +481,21 @@ def _disagreement(
     resolved = policy.tolerance(a.dtype)
     tol = resolved.tolerance
     if diff.numel() == 0:
-        return Disagreement(label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source)
+        return Disagreement(
+            label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source, received, checked_against
+        )
     relative = torch.where(diff == 0, torch.zeros_like(diff), diff / b64.abs())
     exceeds = not bool(torch.isclose(a64, b64, rtol=tol.rtol, atol=tol.atol).all())
     criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
     return Disagreement(
-        label, dtype_name(a.dtype), float(diff.max()), float(relative.max()), exceeds, criterion
+        label,
+        dtype_name(a.dtype),
+        float(diff.max()),
+        float(relative.max()),
+        exceeds,
+        criterion,
+        received,
+        checked_against,
     )
 
 
@@ -586,11 +606,11 @@ def compute_reference(
             (f"gradient of parameter {name!r}", grad, other.param_grads[name])
             for name, grad in result.param_grads.items()
         ]
-        crosscheck = tuple(_disagreement(*pair, policy) for pair in pairs)
+        crosscheck = tuple(_disagreement(*pair, policy, primary, other_strategy) for pair in pairs)
         if policy.recording is not None:
             policy.recording.disagreements.extend(crosscheck)
     if policy.recording is not None:
-        policy.recording.strategies.append(strategy)
+        policy.recording.strategies.append(primary)
 
     golden_result = None
     if golden is not None:

@@ -42,6 +42,8 @@ def record_for_test(
         "nodeid": nodeid,
         "device": str(setup.device),
         "backend": setup.backend.name,
+        # The strategies whose results the test received; under crosscheck each entry of
+        # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
         "seed": seed_for_test(base_seed, nodeid),
         "items": [_plain(check, drop=("detail",)) for check in recording.checks],
@@ -82,21 +84,29 @@ class ReportCollector:
             terminalreporter.write_line(f"gradref report written to {self.path}")
 
     def summary_lines(self, verbose: bool) -> list[str]:
-        """Every crosscheck disagreement beyond tolerance, and the tightest items (with -v, or
+        """Under crosscheck, which strategy the tests received and which it was checked
+        against, and every disagreement beyond tolerance; the tightest items (with -v, or
         whenever there is such a disagreement, to show how much room the tests had)."""
         lines = []
-        exceeding = [
-            (record["nodeid"], d)
-            for record in self.records
-            for d in record["crosscheck"]
-            if d["exceeds_tolerance"]
-        ]
+        checked = [(record["nodeid"], d) for record in self.records for d in record["crosscheck"]]
+        pairs: dict[tuple[str, str], list[int]] = {}
+        for _, d in checked:
+            counts = pairs.setdefault((d["received"], d["checked_against"]), [0, 0])
+            counts[0] += 1
+            counts[1] += bool(d["exceeds_tolerance"])
+        for (received, against), (count, beyond) in sorted(pairs.items()):
+            lines.append(
+                f"crosscheck: {count} items received {received} results, checked against "
+                f"{against}; {beyond} differ beyond tolerance"
+            )
+        exceeding = [(nodeid, d) for nodeid, d in checked if d["exceeds_tolerance"]]
         if exceeding:
             lines.append("autograd and grad_and_value disagree beyond tolerance:")
             for nodeid, d in exceeding:
                 lines.append(
                     f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {d['max_abs']:.3g} "
-                    f"(relative {d['max_rel']:.3g}); tolerance {d['tolerance']}"
+                    f"(relative {d['max_rel']:.3g}) between {d['received']} (received) and "
+                    f"{d['checked_against']} (checked against); tolerance {d['tolerance']}"
                 )
         if verbose or exceeding:
             items = [

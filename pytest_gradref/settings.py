@@ -57,7 +57,8 @@ REPORT_HELP = (
     "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
     "item the dtype, greatest absolute and relative error, the tolerance or budget used and "
     "the headroom left; under --gradref-strategy=crosscheck also how far autograd and "
-    "grad_and_value disagree."
+    "grad_and_value disagree, naming the strategy each test received and the one it was "
+    "checked against."
 )
 STRATEGY_OPTION = OptionSpec(
     "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
