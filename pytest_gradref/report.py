@@ -97,7 +97,7 @@ class ReportCollector:
         for (received, against), (count, beyond) in sorted(pairs.items()):
             lines.append(
                 f"crosscheck: {count} items received {received} results, checked against "
-                f"{against}; {beyond} differ beyond tolerance"
+                f"{against}; {beyond} {'differs' if beyond == 1 else 'differ'} beyond tolerance"
             )
         exceeding = [(nodeid, d) for nodeid, d in checked if d["exceeds_tolerance"]]
         if exceeding:

@@ -189,7 +189,7 @@ def test_disagree(grad_reference):
         [
             "*= gradref =*",
             "crosscheck: 2 items received autograd results, checked against grad_and_value; "
-            "1 differ beyond tolerance",
+            "1 differs beyond tolerance",
             "autograd and grad_and_value disagree beyond tolerance:",
             "*test_disagree: gradient of argument 0 (t) (float64) differs by *(relative 0.000999) "
             "between autograd (received) and grad_and_value (checked against); tolerance *",
