@@ -129,7 +129,9 @@ class ItemCheck:
     """One compared item: its statistics, the criterion applied, and the verdict.
 
     ``headroom`` is 1 minus the share of the allowance used by the worst element: 1 for an
-    exact match, 0 at the limit, negative when the item fails.
+    exact match, 0 at the limit, negative when the item fails. A tolerance check made without
+    statistics (``check_items(..., statistics=False)``) has NaN for max_abs, max_rel and
+    headroom.
     """
 
     label: str
@@ -166,36 +168,65 @@ class BudgetItem:
 Item = Union[ToleranceItem, BudgetItem]
 
 
-def check_items(items: Sequence[Item]) -> list[ItemCheck]:
+def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemCheck]:
     """Compare every item, reading the host once per device whatever their number.
 
     Each item's verdict and statistics are computed on its device into a few float64 numbers;
     the numbers of all items are read to the host together (one ``tolist``, one sync on an
-    accelerator). The detail of a failed item (torch.testing's message, the worst element's
-    index) is computed afterwards, for the failed items only.
+    accelerator). Items that share a device, a promoted dtype and a tolerance (the value and
+    gradients of one loss, typically) are flattened into one vector and go through each
+    operation together. The detail of a failed item (torch.testing's message, the worst
+    element's index) is computed afterwards, for the failed items only.
+
+    With ``statistics=False`` a tolerance check computes its verdict alone (torch.testing's
+    cost), for runs that neither report nor show the statistics; a budget's statistics are
+    its criterion, so they are computed either way.
     """
     import torch
 
     checks: list[ItemCheck | None] = [None] * len(items)
-    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    # Per device: the positions of items and a float64 tensor with one row of numbers each.
+    pending: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    together: dict[tuple[torch.device, torch.dtype, float, float], list[int]] = {}
     for position, item in enumerate(items):
         expected = item.expected if isinstance(item, ToleranceItem) else item.reference
         problem = _shape_problem(item.label, item.actual, expected)
         if problem is not None:
             checks[position] = problem
             continue
-        stats = _device_stats(item)
-        if stats is None:  # an item the batched pass does not handle: compared on its own
+        actual = item.actual
+        assert actual is not None
+        if isinstance(item, ToleranceItem):
+            if actual.device != expected.device or not _batchable(
+                actual, expected, on=expected.device
+            ):
+                checks[position] = _check_alone(item)  # compared on its own, as before
+            elif expected.numel() == 0:
+                checks[position] = _tolerance_check(item, 0.0, 0.0, 0.0, passed=True)
+            else:
+                tol = item.resolved.tolerance
+                dtype = torch.promote_types(actual.dtype, expected.dtype)
+                key = (expected.device, dtype, tol.rtol, tol.atol)
+                together.setdefault(key, []).append(position)
+            continue
+        stats = _budget_stats(item)
+        if stats is None:
             checks[position] = _check_alone(item)
         else:
-            pending.setdefault(stats.device, []).append((position, stats))
-    for group in pending.values():
-        numbers = torch.cat([stats for _, stats in group]).tolist()  # the one host read
+            pending.setdefault(stats.device, []).append(([position], stats[None]))
+    for (device, dtype, rtol, atol), positions in together.items():
+        group = [item for item in (items[p] for p in positions) if isinstance(item, ToleranceItem)]
+        stats = _tolerance_stats(group, dtype, rtol, atol, statistics)
+        pending.setdefault(device, []).append((positions, stats))
+    for batches in pending.values():
+        flat = torch.cat([stats.reshape(-1) for _, stats in batches])
+        numbers = flat.tolist()  # the one host read
         offset = 0
-        for position, stats in group:
-            values = numbers[offset : offset + stats.numel()]
-            offset += stats.numel()
-            checks[position] = _finish(items[position], values)
+        for positions, stats in batches:
+            width = stats.shape[1]
+            for position in positions:
+                checks[position] = _finish(items[position], numbers[offset : offset + width])
+                offset += width
     return [check for check in checks if check is not None]
 
 
@@ -210,43 +241,54 @@ def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
     )
 
 
-def _device_stats(item: Item) -> torch.Tensor | None:
-    """The item's statistics as a float64 tensor on its device, or None if not batchable.
+def _tolerance_stats(
+    items: Sequence[ToleranceItem],
+    dtype: torch.dtype,
+    rtol: float,
+    atol: float,
+    statistics: bool = True,
+) -> torch.Tensor:
+    """Per item (a row): greatest |a - e|, greatest relative difference, greatest share of the
+    tolerance used, and 1 if torch.testing would find a mismatch, else 0 (that alone, without
+    ``statistics``).
 
-    Tolerance: greatest |a - e|, greatest relative difference, greatest share of the
-    tolerance used, and 1 if torch.testing would find a mismatch, else 0.
-    Budget: the actual's greatest error vs the golden, its greatest relative error, 1 if it
-    has NaN, the reference's greatest error vs the golden, the golden's greatest magnitude.
+    The items are non-empty, on one device, and share the promoted dtype and the tolerance.
+    Statistics in float64 (upcasting is exact, so through the promoted dtype or not makes no
+    difference); the verdict exactly as torch.testing.assert_close decides it: isclose in the
+    promoted dtype.
     """
     import torch
 
-    actual = item.actual
+    sizes = [item.expected.numel() for item in items]
+    actual = torch.cat([_flat(item.actual) for item in items]).to(dtype)
+    expected = torch.cat([_flat(item.expected) for item in items]).to(dtype)
+    close = torch.isclose(actual, expected, rtol=rtol, atol=atol, equal_nan=False)
+    mismatch = close.logical_not_()
+    if not statistics:
+        parts = mismatch.split_with_sizes(sizes)
+        return torch.stack([part.any() for part in parts]).to(torch.float64)[:, None]
+    diff, magnitude = _difference(actual, expected)
+    exact = diff == 0
+    relative = torch.where(exact, 0.0, diff / magnitude)
+    allowed = magnitude.mul_(rtol).add_(atol)
+    used = torch.where(exact, 0.0, diff.div(allowed))
+    rows = torch.stack([diff, relative, used, mismatch.to(torch.float64)])
+    return torch.stack([part.amax(dim=1) for part in rows.split_with_sizes(sizes, dim=1)])
+
+
+def _flat(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor.detach().reshape(-1)
+
+
+def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
+    """The actual's greatest error vs the golden, its greatest relative error, 1 if it has
+    NaN, the reference's greatest error vs the golden, the golden's greatest magnitude: as a
+    float64 tensor where the golden is, or None for an item the batched pass leaves out."""
+    import torch
+
+    actual, golden = item.actual, item.golden
     assert actual is not None
-    if isinstance(item, ToleranceItem):
-        expected = item.expected
-        if actual.device != expected.device or not _batchable(actual, expected, on=expected.device):
-            return None
-        if actual.numel() == 0:
-            return torch.zeros(4, dtype=torch.float64, device=expected.device)
-        tol = item.resolved.tolerance
-        # The verdict exactly as torch.testing.assert_close decides it: isclose in the
-        # promoted dtype.
-        dtype = torch.promote_types(actual.dtype, expected.dtype)
-        close = torch.isclose(
-            actual.detach().to(dtype),
-            expected.detach().to(dtype),
-            rtol=tol.rtol,
-            atol=tol.atol,
-            equal_nan=False,
-        )
-        diff, magnitude = _difference(actual, expected)
-        exact = diff == 0
-        max_rel = torch.where(exact, 0.0, diff / magnitude).max()
-        allowed = magnitude.mul_(tol.rtol).add_(tol.atol)
-        used = torch.where(exact, 0.0, diff / allowed).max()
-        mismatch = close.logical_not_().any().to(torch.float64)
-        return torch.stack([diff.max(), max_rel, used, mismatch])
-    golden = item.golden
     if not _batchable(actual, item.reference, golden, on=golden.device):
         return None
     if golden.numel() == 0:
@@ -265,7 +307,7 @@ def _difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Ten
 
     a = actual.detach().to(device=expected.device, dtype=torch.float64)
     e = expected.detach().to(torch.float64)
-    return (a - e).abs_(), e.abs()
+    return (a - e).abs_(), e.abs()  # new tensors: the callers may change them in place
 
 
 def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
@@ -273,6 +315,9 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
+        if len(values) == 1:  # the verdict without statistics
+            nan = float("nan")
+            return _tolerance_check(item, nan, nan, nan, passed=values[0] == 0)
         max_abs, max_rel, used, mismatch = values
         return _tolerance_check(item, max_abs, max_rel, used, passed=mismatch == 0)
     own_abs, own_rel, has_nan, ref_abs, scale = values

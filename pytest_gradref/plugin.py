@@ -221,15 +221,24 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     setup = _state(request.config).setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
     recording = request.node.stash.setdefault(recording_key, Recording())
+    strategy = overrides.strategy or setup.effective_strategy()
+    # Statistics cost more than the verdicts: computed where a report or the summary may show
+    # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
+    statistics = (
+        request.config.getoption("gradref_report") is not None
+        or request.config.get_verbosity() > 0
+        or strategy == "crosscheck"
+    )
     policy = CheckPolicy(
         backend=setup.backend.name,
         table=setup.backend.tolerances,
         overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
         budget=overrides.budget,
         recording=recording,
+        statistics=statistics,
     )
     return GradReference(
-        strategy=overrides.strategy or setup.effective_strategy(),
+        strategy=strategy,
         default_strategy=setup.backend.default_strategy,
         policy=policy,
         golden=overrides.golden,

@@ -79,6 +79,9 @@ class CheckPolicy:
     overrides: tuple[ToleranceOverride, ...] = ()
     budget: float | None = None
     recording: Recording | None = None
+    # Whether assert_close computes each item's statistics (for the report and the summary)
+    # besides its verdict.
+    statistics: bool = True
 
     def tolerance(
         self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = ()
@@ -178,7 +181,7 @@ class Reference:
             dtype = expected.dtype if actual is None else less_precise(actual.dtype, expected.dtype)
             resolved = self.policy.tolerance(dtype, extra)
             items.append(ToleranceItem(label, actual, expected, resolved))
-        checks = check_items(items)  # one host read for all items
+        checks = check_items(items, statistics=self.policy.statistics)  # one host read
         if self.policy.recording is not None:
             self.policy.recording.checks.extend(checks)
         if not all(check.passed for check in checks):

@@ -3,6 +3,8 @@ where the tolerance came from) and which tolerance is in force."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 FAILURES = """
@@ -359,5 +361,12 @@ def test_a_passing_assert_close_reads_the_host_once(pytester: pytest.Pytester) -
     # One host read (one sync on an accelerator) per call, whatever the number of items: the
     # verdicts and the report's statistics are computed on the device and read together.
     pytester.makepyfile(HOST_READS)
+    # Verdicts alone, and verdicts with the statistics a report records.
     result = pytester.runpytest("--gradref-device=cpu", "-p", "no:randomly")
     result.assert_outcomes(passed=4)
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=r.json")
+    result.assert_outcomes(passed=4)
+    report = json.loads((pytester.path / "r.json").read_text())
+    items = [item for test in report["tests"] for item in test["items"]]
+    assert len(items) == 12
+    assert all(isinstance(item["max_abs"], float) for item in items)
