@@ -173,10 +173,10 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
 
     Each item's verdict and statistics are computed on its device into a few float64 numbers;
     the numbers of all items are read to the host together (one ``tolist``, one sync on an
-    accelerator). Items that share a device, a promoted dtype and a tolerance (the value and
-    gradients of one loss, typically) are flattened into one vector and go through each
-    operation together. The detail of a failed item (torch.testing's message, the worst
-    element's index) is computed afterwards, for the failed items only.
+    accelerator). The detail of a failed item (torch.testing's message, the worst element's
+    index) is computed afterwards, for the failed items only. Items are not concatenated: an
+    operation over a larger tensor runs on several threads on the CPU, which costs far more
+    than it saves when other processes hold the cores.
 
     With ``statistics=False`` a tolerance check computes its verdict alone (torch.testing's
     cost), for runs that neither report nor show the statistics; a budget's statistics are
@@ -185,9 +185,8 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     import torch
 
     checks: list[ItemCheck | None] = [None] * len(items)
-    # Per device: the positions of items and a float64 tensor with one row of numbers each.
-    pending: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
-    together: dict[tuple[torch.device, torch.dtype, float, float], list[int]] = {}
+    # Per device: the position of each item and a float64 tensor of its numbers.
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for position, item in enumerate(items):
         expected = item.expected if isinstance(item, ToleranceItem) else item.reference
         problem = _shape_problem(item.label, item.actual, expected)
@@ -201,32 +200,24 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
                 actual, expected, on=expected.device
             ):
                 checks[position] = _check_alone(item)  # compared on its own, as before
-            elif expected.numel() == 0:
+                continue
+            if expected.numel() == 0:
                 checks[position] = _tolerance_check(item, 0.0, 0.0, 0.0, passed=True)
-            else:
-                tol = item.resolved.tolerance
-                dtype = torch.promote_types(actual.dtype, expected.dtype)
-                key = (expected.device, dtype, tol.rtol, tol.atol)
-                together.setdefault(key, []).append(position)
-            continue
-        stats = _budget_stats(item)
+                continue
+            stats: torch.Tensor | None = _tolerance_stats(item, statistics)
+        else:
+            stats = _budget_stats(item)
         if stats is None:
             checks[position] = _check_alone(item)
         else:
-            pending.setdefault(stats.device, []).append(([position], stats[None]))
-    for (device, dtype, rtol, atol), positions in together.items():
-        group = [item for item in (items[p] for p in positions) if isinstance(item, ToleranceItem)]
-        stats = _tolerance_stats(group, dtype, rtol, atol, statistics)
-        pending.setdefault(device, []).append((positions, stats))
-    for batches in pending.values():
-        flat = torch.cat([stats.reshape(-1) for _, stats in batches])
-        numbers = flat.tolist()  # the one host read
+            pending.setdefault(stats.device, []).append((position, stats))
+    for group in pending.values():
+        numbers = torch.cat([stats for _, stats in group]).tolist()  # the one host read
         offset = 0
-        for positions, stats in batches:
-            width = stats.shape[1]
-            for position in positions:
-                checks[position] = _finish(items[position], numbers[offset : offset + width])
-                offset += width
+        for position, stats in group:
+            width = stats.numel()
+            checks[position] = _finish(items[position], numbers[offset : offset + width])
+            offset += width
     return [check for check in checks if check is not None]
 
 
@@ -241,44 +232,32 @@ def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
     )
 
 
-def _tolerance_stats(
-    items: Sequence[ToleranceItem],
-    dtype: torch.dtype,
-    rtol: float,
-    atol: float,
-    statistics: bool = True,
-) -> torch.Tensor:
-    """Per item (a row): greatest |a - e|, greatest relative difference, greatest share of the
-    tolerance used, and 1 if torch.testing would find a mismatch, else 0 (that alone, without
-    ``statistics``).
+def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tensor:
+    """Greatest |a - e|, greatest relative difference, greatest share of the tolerance used,
+    and 1 if torch.testing would find a mismatch, else 0 (that alone, without ``statistics``).
 
-    The items are non-empty, on one device, and share the promoted dtype and the tolerance.
-    Statistics in float64 (upcasting is exact, so through the promoted dtype or not makes no
-    difference); the verdict exactly as torch.testing.assert_close decides it: isclose in the
-    promoted dtype.
+    The item is non-empty, with both tensors on one device. Statistics in float64; the verdict
+    exactly as torch.testing.assert_close decides it: isclose in the promoted dtype.
     """
     import torch
 
-    sizes = [item.expected.numel() for item in items]
-    actual = torch.cat([_flat(item.actual) for item in items]).to(dtype)
-    expected = torch.cat([_flat(item.expected) for item in items]).to(dtype)
-    close = torch.isclose(actual, expected, rtol=rtol, atol=atol, equal_nan=False)
-    mismatch = close.logical_not_()
+    actual, expected = item.actual, item.expected.detach()
+    assert actual is not None
+    actual = actual.detach()
+    tol = item.resolved.tolerance
+    dtype = torch.promote_types(actual.dtype, expected.dtype)
+    close = torch.isclose(
+        actual.to(dtype), expected.to(dtype), rtol=tol.rtol, atol=tol.atol, equal_nan=False
+    )
+    mismatch = close.logical_not_().any().to(torch.float64)
     if not statistics:
-        parts = mismatch.split_with_sizes(sizes)
-        return torch.stack([part.any() for part in parts]).to(torch.float64)[:, None]
+        return mismatch[None]
     diff, magnitude = _difference(actual, expected)
     exact = diff == 0
-    relative = torch.where(exact, 0.0, diff / magnitude)
-    allowed = magnitude.mul_(rtol).add_(atol)
-    used = torch.where(exact, 0.0, diff.div(allowed))
-    rows = torch.stack([diff, relative, used, mismatch.to(torch.float64)])
-    return torch.stack([part.amax(dim=1) for part in rows.split_with_sizes(sizes, dim=1)])
-
-
-def _flat(tensor: torch.Tensor | None) -> torch.Tensor:
-    assert tensor is not None
-    return tensor.detach().reshape(-1)
+    max_rel = torch.where(exact, 0.0, diff / magnitude).max()
+    allowed = magnitude.mul_(tol.rtol).add_(tol.atol)
+    used = torch.where(exact, 0.0, diff.div(allowed)).max()
+    return torch.stack([diff.max(), max_rel, used, mismatch])
 
 
 def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
