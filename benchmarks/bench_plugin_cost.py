@@ -313,24 +313,27 @@ def measure_import(args: argparse.Namespace, env: dict[str, str]) -> None:
 
 def measure_counts(directory: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
     print("\n## Host reads and syncs of one passing assert_close of three items")
-    counts_path = directory / "counts.json"
-    env = {**env, "GRADREF_COUNTS": str(counts_path)}
-    _pytest(directory, ["test_count.py", f"--gradref-device={args.device}"], env)
-    counts = json.loads(counts_path.read_text())
-    print(
-        f"host reads (Tensor.item/tolist/__bool__/__float__/__int__/__index__): "
-        f"Reference.assert_close {counts['assert_close_host_reads']}, "
-        f"three torch.testing.assert_close {counts['torch_testing_x3_host_reads']}"
-    )
-    if counts["assert_close_syncs"] is None:
-        print("CUDA syncs: not counted (the device is not cuda)")
-    else:
+    device = f"--gradref-device={args.device}"
+    for name, extra in (("plain", []), ("report", [f"--gradref-report={directory / 'r.json'}"])):
+        counts_path = directory / f"counts-{name}.json"
+        run_env = {**env, "GRADREF_COUNTS": str(counts_path)}
+        _pytest(directory, ["test_count.py", device, *extra], run_env)
+        counts = json.loads(counts_path.read_text())
+        print(f"{name} ({'with' if extra else 'without'} --gradref-report):")
         print(
-            "CUDA syncs (torch.cuda.set_sync_debug_mode('warn')): "
-            f"Reference.assert_close {counts['assert_close_syncs']}, "
-            f"grad_reference {counts['grad_reference_syncs']}, "
-            f"three torch.testing.assert_close {counts['torch_testing_x3_syncs']}"
+            f"  host reads (Tensor.item/tolist/__bool__/__float__/__int__/__index__): "
+            f"Reference.assert_close {counts['assert_close_host_reads']}, "
+            f"three torch.testing.assert_close {counts['torch_testing_x3_host_reads']}"
         )
+        if counts["assert_close_syncs"] is None:
+            print("  CUDA syncs: not counted (the device is not cuda)")
+        else:
+            print(
+                "  CUDA syncs (torch.cuda.set_sync_debug_mode('warn')): "
+                f"Reference.assert_close {counts['assert_close_syncs']}, "
+                f"grad_reference {counts['grad_reference_syncs']}, "
+                f"three torch.testing.assert_close {counts['torch_testing_x3_syncs']}"
+            )
 
 
 def describe_setup(args: argparse.Namespace, env: dict[str, str]) -> None:
