@@ -1,17 +1,25 @@
 """pytest-gradref: reference gradients computed the way each device needs.
 
 See the README for the fixtures, markers and options; this module re-exports the public API.
+The names load on first access, so that pytest loading the plugin (which imports this package
+first) does not pay for the reference and comparison modules.
 """
 
-from pytest_gradref.backends import Backend, BackendRegistry, Strategy, builtin_backend
-from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
-from pytest_gradref.reference import (
-    Disagreement,
-    GradReference,
-    Reference,
-    StrategyChoice,
-    compute_reference,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_gradref.backends import Backend, BackendRegistry, builtin_backend
+    from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
+    from pytest_gradref.reference import (
+        Disagreement,
+        GradReference,
+        Reference,
+        compute_reference,
+    )
+    from pytest_gradref.strategies import Strategy, StrategyChoice
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -26,3 +34,31 @@ __all__ = [
     "builtin_backend",
     "compute_reference",
 ]
+
+# Where each public name lives.
+_HOMES = {
+    "DEFAULT_TOLERANCES": "compare",
+    "Backend": "backends",
+    "BackendRegistry": "backends",
+    "Disagreement": "reference",
+    "GradReference": "reference",
+    "Reference": "reference",
+    "Strategy": "strategies",
+    "StrategyChoice": "strategies",
+    "Tolerance": "compare",
+    "builtin_backend": "backends",
+    "compute_reference": "reference",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"pytest_gradref.{home}"), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -16,18 +16,16 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pytest_gradref.compare import Tolerance
+from pytest_gradref.strategies import STRATEGIES, Strategy
 
 if TYPE_CHECKING:
     import torch
 
-Strategy = Literal["autograd", "grad_and_value"]
-STRATEGIES: tuple[Strategy, ...] = ("autograd", "grad_and_value")
+    from pytest_gradref.compare import Tolerance
 
 
 def _always_available() -> str | None:
@@ -110,6 +108,8 @@ class Backend:
     def describe_device(self, device: torch.device) -> str:
         """A short human name for the device, e.g. "NVIDIA H200"."""
         if device.type == "cpu":
+            import platform
+
             return platform.processor() or platform.machine() or "CPU"
         get_name = getattr(self._module(), "get_device_name", None)
         if get_name is None:

@@ -9,13 +9,14 @@ Two criteria:
   not demand exactness of the kernel.
 
 Each check yields an ``ItemCheck`` with its statistics, for the failure message and the report.
+``check_items`` compares all items of one ``assert_close`` with one host read (see there).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Union
 
 if TYPE_CHECKING:
     import torch
@@ -128,7 +129,9 @@ class ItemCheck:
     """One compared item: its statistics, the criterion applied, and the verdict.
 
     ``headroom`` is 1 minus the share of the allowance used by the worst element: 1 for an
-    exact match, 0 at the limit, negative when the item fails.
+    exact match, 0 at the limit, negative when the item fails. A tolerance check made without
+    statistics (``check_items(..., statistics=False)``) has NaN for max_abs, max_rel and
+    headroom.
     """
 
     label: str
@@ -139,6 +142,249 @@ class ItemCheck:
     headroom: float
     passed: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ToleranceItem:
+    """An item to compare with a tolerance, as torch.testing.assert_close would."""
+
+    label: str
+    actual: torch.Tensor | None
+    expected: torch.Tensor
+    resolved: ResolvedTolerance
+
+
+@dataclass(frozen=True)
+class BudgetItem:
+    """An item to compare with an error budget against a golden reference."""
+
+    label: str
+    actual: torch.Tensor | None
+    reference: torch.Tensor
+    golden: torch.Tensor
+    budget: float
+
+
+Item = Union[ToleranceItem, BudgetItem]
+
+
+def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemCheck]:
+    """Compare every item, reading the host once per device whatever their number.
+
+    Each item's verdict and statistics are computed on its device into a few float64 numbers;
+    the numbers of all items are read to the host together (one ``tolist``, one sync on an
+    accelerator). The detail of a failed item (torch.testing's message, the worst element's
+    index) is computed afterwards, for the failed items only. Items are not concatenated: an
+    operation over a larger tensor runs on several threads on the CPU, which costs far more
+    than it saves when other processes hold the cores.
+
+    With ``statistics=False`` a tolerance check computes its verdict alone (torch.testing's
+    cost), for runs that neither report nor show the statistics; a budget's statistics are
+    its criterion, so they are computed either way.
+    """
+    import torch
+
+    checks: list[ItemCheck | None] = [None] * len(items)
+    # Per device: the position of each item and a float64 tensor of its numbers.
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for position, item in enumerate(items):
+        expected = item.expected if isinstance(item, ToleranceItem) else item.reference
+        problem = _shape_problem(item.label, item.actual, expected)
+        if problem is not None:
+            checks[position] = problem
+            continue
+        actual = item.actual
+        assert actual is not None
+        if isinstance(item, ToleranceItem):
+            if actual.device != expected.device or not _batchable(
+                actual, expected, on=expected.device
+            ):
+                checks[position] = _check_alone(item)  # compared on its own, as before
+                continue
+            if expected.numel() == 0:
+                checks[position] = _tolerance_check(item, 0.0, 0.0, 0.0, passed=True)
+                continue
+            stats: torch.Tensor | None = _tolerance_stats(item, statistics)
+        else:
+            stats = _budget_stats(item)
+        if stats is None:
+            checks[position] = _check_alone(item)
+        else:
+            pending.setdefault(stats.device, []).append((position, stats))
+    for group in pending.values():
+        numbers = torch.cat([stats for _, stats in group]).tolist()  # the one host read
+        offset = 0
+        for position, stats in group:
+            width = stats.numel()
+            checks[position] = _finish(items[position], numbers[offset : offset + width])
+            offset += width
+    return [check for check in checks if check is not None]
+
+
+def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
+    """Real floating strided tensors, compared in float64 on ``on`` (where they are, for a
+    tolerance; where the golden is, for a budget)."""
+    import torch
+
+    return on.type != "mps" and all(
+        t.is_floating_point() and t.dtype.itemsize > 1 and t.layout == torch.strided
+        for t in tensors
+    )
+
+
+def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tensor:
+    """Greatest |a - e|, greatest relative difference, greatest share of the tolerance used,
+    and 1 if torch.testing would find a mismatch, else 0 (that alone, without ``statistics``).
+
+    The item is non-empty, with both tensors on one device. Statistics in float64; the verdict
+    exactly as torch.testing.assert_close decides it: isclose in the promoted dtype.
+    """
+    import torch
+
+    actual, expected = item.actual, item.expected.detach()
+    assert actual is not None
+    actual = actual.detach()
+    tol = item.resolved.tolerance
+    dtype = torch.promote_types(actual.dtype, expected.dtype)
+    close = torch.isclose(
+        actual.to(dtype), expected.to(dtype), rtol=tol.rtol, atol=tol.atol, equal_nan=False
+    )
+    mismatch = close.logical_not_().any().to(torch.float64)
+    if not statistics:
+        return mismatch[None]
+    diff, magnitude = _difference(actual, expected)
+    exact = diff == 0
+    max_rel = torch.where(exact, 0.0, diff / magnitude).max()
+    allowed = magnitude.mul_(tol.rtol).add_(tol.atol)
+    used = torch.where(exact, 0.0, diff.div(allowed)).max()
+    return torch.stack([diff.max(), max_rel, used, mismatch])
+
+
+def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
+    """The actual's greatest error vs the golden, its greatest relative error, 1 if it has
+    NaN, the reference's greatest error vs the golden, the golden's greatest magnitude: as a
+    float64 tensor where the golden is, or None for an item the batched pass leaves out."""
+    import torch
+
+    actual, golden = item.actual, item.golden
+    assert actual is not None
+    if not _batchable(actual, item.reference, golden, on=golden.device):
+        return None
+    if golden.numel() == 0:
+        return torch.zeros(5, dtype=torch.float64, device=golden.device)
+    own, golden_magnitude = _difference(actual, golden)
+    exact = own == 0
+    own_rel = torch.where(exact, 0.0, own / golden_magnitude).max()
+    ref, _ = _difference(item.reference, golden)
+    has_nan = own.isnan().any().to(torch.float64)
+    return torch.stack([own.max(), own_rel, has_nan, ref.max(), golden_magnitude.max()])
+
+
+def _difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|actual - expected| and |expected|, in float64 on expected's device."""
+    import torch
+
+    a = actual.detach().to(device=expected.device, dtype=torch.float64)
+    e = expected.detach().to(torch.float64)
+    return (a - e).abs_(), e.abs()  # new tensors: the callers may change them in place
+
+
+def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
+    """The check of an item from its statistics read to the host."""
+    actual = item.actual
+    assert actual is not None
+    if isinstance(item, ToleranceItem):
+        if len(values) == 1:  # the verdict without statistics
+            nan = float("nan")
+            return _tolerance_check(item, nan, nan, nan, passed=values[0] == 0)
+        max_abs, max_rel, used, mismatch = values
+        return _tolerance_check(item, max_abs, max_rel, used, passed=mismatch == 0)
+    own_abs, own_rel, has_nan, ref_abs, scale = values
+    return _budget_check(item, own_abs, own_rel, has_nan != 0, ref_abs, scale)
+
+
+def _check_alone(item: Item) -> ItemCheck:
+    """An item outside the batched pass (complex, sparse, across devices...), by itself."""
+    actual = item.actual
+    assert actual is not None
+    if isinstance(item, ToleranceItem):
+        stats = _stats(actual, item.expected, item.resolved.tolerance)
+        return _tolerance_check(item, stats.max_abs, stats.max_rel, stats.used, passed=None)
+    own = _stats(actual, item.golden)
+    ref = _stats(item.reference, item.golden)
+    golden = item.golden
+    scale = float(golden.detach().abs().max()) if golden.numel() else 0.0
+    return _budget_check(item, own.max_abs, own.max_rel, own.has_nan, ref.max_abs, scale)
+
+
+def _tolerance_check(
+    item: ToleranceItem, max_abs: float, max_rel: float, used: float, passed: bool | None
+) -> ItemCheck:
+    """torch.testing.assert_close writes the failure detail; it runs when the item failed
+    (``passed`` False) or when no verdict was computed yet (None)."""
+    import torch
+
+    actual = item.actual
+    assert actual is not None
+    tol = item.resolved.tolerance
+    dtype = dtype_name(less_precise(actual.dtype, item.expected.dtype))
+    criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {item.resolved.source}"
+    detail = ""
+    if not passed:
+        try:
+            torch.testing.assert_close(
+                actual.detach(),
+                item.expected.detach(),
+                rtol=tol.rtol,
+                atol=tol.atol,
+                check_dtype=False,
+                check_device=False,
+                equal_nan=False,
+            )
+            passed = True
+        except AssertionError as error:
+            detail = f"{str(error).strip()}\ntolerance {criterion}"
+            passed = False
+    return ItemCheck(item.label, dtype, max_abs, max_rel, criterion, 1 - used, passed, detail)
+
+
+def _budget_check(
+    item: BudgetItem,
+    own_abs: float,
+    own_rel: float,
+    own_has_nan: bool,
+    ref_abs: float,
+    scale: float,
+) -> ItemCheck:
+    """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
+    elements); the worst element's index is looked up for the message of a failure."""
+    actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
+    assert actual is not None
+    dtype = less_precise(actual.dtype, reference.dtype)
+    golden_name = dtype_name(golden.dtype)
+    floor = FLOOR_ULPS.get(dtype_name(dtype), 1) * epsilon(dtype) * scale
+    allowed = budget * ref_abs + floor
+    used = own_abs / allowed if allowed > 0 else (0.0 if own_abs == 0 else float("inf"))
+    passed = not own_has_nan and own_abs <= allowed
+    ratio = own_abs / ref_abs if ref_abs > 0 else float("inf")
+    criterion = (
+        f"budget {budget:g}x the {dtype_name(reference.dtype)} reference's error vs the "
+        f"{golden_name} golden ({ref_abs:.3g}) + floor {floor:.3g}"
+    )
+    detail = ""
+    if not passed:
+        worst_index = _stats(actual, golden).worst_index
+        ratio_text = f"{ratio:.3g}x" if ref_abs > 0 else "infinitely many times"
+        detail = (
+            f"error vs the {golden_name} golden: {own_abs:.3g} at index {worst_index} "
+            f"(greatest relative {own_rel:.3g}), {ratio_text} the "
+            f"{dtype_name(reference.dtype)} reference's own error {ref_abs:.3g}; "
+            f"allowed: budget {budget:g} x {ref_abs:.3g} + floor {floor:.3g} "
+            f"= {allowed:.3g}" + (" (the actual result has NaN)" if own_has_nan else "")
+        )
+    return ItemCheck(
+        item.label, dtype_name(dtype), own_abs, own_rel, criterion, 1 - used, passed, detail
+    )
 
 
 @dataclass(frozen=True)
@@ -154,7 +400,8 @@ def _stats(
     actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance | None = None
 ) -> _Stats:
     """Greatest absolute and relative difference, computed in float64 on expected's device,
-    and with a tolerance the greatest |a - e| / (atol + rtol * |e|)."""
+    and with a tolerance the greatest |a - e| / (atol + rtol * |e|); with host reads, for
+    failure messages and the items the batched pass leaves out."""
     import torch
 
     a = actual.detach().to(device=expected.device, dtype=torch.float64)
@@ -192,34 +439,8 @@ def _shape_problem(label: str, actual: object, expected: torch.Tensor) -> ItemCh
 def check_tolerance(
     label: str, actual: torch.Tensor | None, expected: torch.Tensor, resolved: ResolvedTolerance
 ) -> ItemCheck:
-    """Compare with torch.testing.assert_close, which decides and writes the failure detail."""
-    import torch
-
-    problem = _shape_problem(label, actual, expected)
-    if problem is not None:
-        return problem
-    assert actual is not None
-    tol = resolved.tolerance
-    dtype = dtype_name(less_precise(actual.dtype, expected.dtype))
-    criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
-    stats = _stats(actual, expected, tol)
-    used = stats.used
-    try:
-        torch.testing.assert_close(
-            actual.detach(),
-            expected.detach(),
-            rtol=tol.rtol,
-            atol=tol.atol,
-            check_dtype=False,
-            check_device=False,
-            equal_nan=False,
-        )
-    except AssertionError as error:
-        detail = f"{str(error).strip()}\ntolerance {criterion}"
-        return ItemCheck(
-            label, dtype, stats.max_abs, stats.max_rel, criterion, 1 - used, False, detail
-        )
-    return ItemCheck(label, dtype, stats.max_abs, stats.max_rel, criterion, 1 - used, True)
+    """One item compared as torch.testing.assert_close compares it (see ``check_items``)."""
+    return check_items([ToleranceItem(label, actual, expected, resolved)])[0]
 
 
 def check_budget(
@@ -229,38 +450,9 @@ def check_budget(
     golden: torch.Tensor,
     budget: float,
 ) -> ItemCheck:
-    """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest elements)."""
-    problem = _shape_problem(label, actual, reference)
-    if problem is not None:
-        return problem
-    assert actual is not None
-    dtype = less_precise(actual.dtype, reference.dtype)
-    golden_name = dtype_name(golden.dtype)
-    own = _stats(actual, golden)
-    ref = _stats(reference, golden)
-    scale = float(golden.detach().abs().max()) if golden.numel() else 0.0
-    floor = FLOOR_ULPS.get(dtype_name(dtype), 1) * epsilon(dtype) * scale
-    allowed = budget * ref.max_abs + floor
-    used = own.max_abs / allowed if allowed > 0 else (0.0 if own.max_abs == 0 else float("inf"))
-    passed = not own.has_nan and own.max_abs <= allowed
-    ratio = own.max_abs / ref.max_abs if ref.max_abs > 0 else float("inf")
-    criterion = (
-        f"budget {budget:g}x the {dtype_name(reference.dtype)} reference's error vs the "
-        f"{golden_name} golden ({ref.max_abs:.3g}) + floor {floor:.3g}"
-    )
-    detail = ""
-    if not passed:
-        ratio_text = f"{ratio:.3g}x" if ref.max_abs > 0 else "infinitely many times"
-        detail = (
-            f"error vs the {golden_name} golden: {own.max_abs:.3g} at index {own.worst_index} "
-            f"(greatest relative {own.max_rel:.3g}), {ratio_text} the "
-            f"{dtype_name(reference.dtype)} reference's own error {ref.max_abs:.3g}; "
-            f"allowed: budget {budget:g} x {ref.max_abs:.3g} + floor {floor:.3g} "
-            f"= {allowed:.3g}" + (" (the actual result has NaN)" if own.has_nan else "")
-        )
-    return ItemCheck(
-        label, dtype_name(dtype), own.max_abs, own.max_rel, criterion, 1 - used, passed, detail
-    )
+    """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
+    elements); see ``check_items``."""
+    return check_items([BudgetItem(label, actual, reference, golden, budget)])[0]
 
 
 def format_failures(header: str, checks: Sequence[ItemCheck]) -> str:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gradref.compare import ToleranceOverride
-from pytest_gradref.reference import STRATEGY_CHOICES, StrategyChoice
+from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
+
+if TYPE_CHECKING:
+    from pytest_gradref.compare import ToleranceOverride
 
 MARKER_LINES = (
     "gradref_xfail(*devices, reason, raises=None, strict=xfail_strict): expect the test to "
@@ -141,6 +143,8 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
             raise MarkerError(f"@pytest.mark.gradref got {name}={value!r}; it must be >= 0")
     tolerance = None
     if rtol is not None or atol is not None:
+        from pytest_gradref.compare import ToleranceOverride
+
         tolerance = ToleranceOverride(rtol, atol, "the test's @pytest.mark.gradref marker")
     golden, budget = kwargs.get("golden"), kwargs.get("budget")
     if golden is not None and not getattr(golden, "is_floating_point", False):

@@ -1,77 +1,35 @@
 """pytest hook implementations and fixtures of pytest-gradref.
 
-Loading this module imports no torch: a project that has the plugin installed but no gradient
-tests never pays for it. torch is imported when a test needs the device (a gradref fixture or
-marker), when a device is requested explicitly, or when torch is already loaded.
+Loading this module imports no torch and none of the package's other modules but the hook
+specifications: each hook and fixture imports what it needs when it first runs. A project that
+has the plugin installed but no gradient tests never loads the reference and comparison code,
+nor torch. torch is imported when a test needs the device (a gradref fixture or marker), when
+a device is requested explicitly, or when torch is already loaded.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Generator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pytest
 
 from pytest_gradref import hookspecs
-from pytest_gradref.backends import Backend, BackendRegistry, builtin_backends
-from pytest_gradref.markers import (
-    ALL_MARKERS,
-    DEVICE_MARKERS,
-    MARKER_LINES,
-    MarkerError,
-    device_mark,
-    parse_gradref_mark,
-)
-from pytest_gradref.reference import CheckPolicy, GradReference, Recording, StrategyChoice
-from pytest_gradref.report import REPORT_HELP, ReportCollector, record_for_test
-from pytest_gradref.settings import (
-    DEVICE_OPTION,
-    SEED_OPTION,
-    STRATEGY_OPTION,
-    DeviceRequest,
-    Setup,
-    parse_device,
-    parse_seed,
-    parse_strategy,
-    read_setting,
-    resolve,
-    seed_for_test,
-)
 
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gradref.backends import Backend, BackendRegistry
+    from pytest_gradref.reference import GradReference
+    from pytest_gradref.state import GradrefState
+
 FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
 
 
-@dataclass
-class GradrefState:
-    """Per-session state: the registry, the parsed settings and, once needed, the setup."""
-
-    registry: BackendRegistry
-    device_request: DeviceRequest
-    strategy: StrategyChoice | None
-    strategy_source: str
-    seed: int
-    report: ReportCollector
-    resolved: Setup | None = None
-    reported: bool = False
-
-    def setup(self) -> Setup:
-        if self.resolved is None:
-            self.resolved = resolve(
-                self.device_request, self.strategy, self.strategy_source, self.registry
-            )
-        return self.resolved
-
-
-state_key = pytest.StashKey[GradrefState]()
-recording_key = pytest.StashKey[Recording]()
-
-
 def _state(config: pytest.Config) -> GradrefState:
+    from pytest_gradref.state import state_key
+
     return config.stash[state_key]
 
 
@@ -80,6 +38,8 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from pytest_gradref.settings import DEVICE_OPTION, REPORT_HELP, SEED_OPTION, STRATEGY_OPTION
+
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
     for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION):
         group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
@@ -89,11 +49,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
+    from pytest_gradref.backends import builtin_backends
+
     for backend in builtin_backends():
         registry.register_default(backend)
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from pytest_gradref.backends import BackendRegistry
+    from pytest_gradref.markers import MARKER_LINES
+    from pytest_gradref.report import ReportCollector
+    from pytest_gradref.settings import (
+        DEVICE_OPTION,
+        SEED_OPTION,
+        STRATEGY_OPTION,
+        parse_device,
+        parse_seed,
+        parse_strategy,
+        read_setting,
+    )
+    from pytest_gradref.state import GradrefState, state_key
+
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
     registry = BackendRegistry()
@@ -148,6 +124,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def _uses_gradref(item: pytest.Item) -> bool:
+    from pytest_gradref.markers import ALL_MARKERS
+
     names = getattr(item, "fixturenames", ())
     if any(name in names for name in FIXTURE_NAMES):
         return True
@@ -155,6 +133,8 @@ def _uses_gradref(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from pytest_gradref.markers import DEVICE_MARKERS, MarkerError, device_mark, parse_gradref_mark
+
     state = _state(config)
     users = [item for item in items if _uses_gradref(item)]
     if not users:
@@ -187,6 +167,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # without gradient tests never imports it.
     if "torch" not in sys.modules:
         return
+    from pytest_gradref.settings import seed_for_test
+
     state = _state(item.config)
     seed = seed_for_test(state.seed, item.nodeid)
     if state.resolved is not None:
@@ -199,10 +181,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    from pytest_gradref.state import recording_key
+
     report = yield
     recording = item.stash.get(recording_key, None)
     state = _state(item.config)
     if report.when == "call" and recording is not None and state.resolved is not None:
+        from pytest_gradref.report import record_for_test
+
         # A plain attribute travels with the report to the xdist controller.
         report.__dict__["gradref"] = record_for_test(
             report.nodeid, state.resolved, state.seed, recording
@@ -228,18 +214,31 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
 
     Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None, **kwargs)``.
     """
+    from pytest_gradref.markers import parse_gradref_mark
+    from pytest_gradref.reference import CheckPolicy, GradReference, Recording
+    from pytest_gradref.state import recording_key
+
     setup = _state(request.config).setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
     recording = request.node.stash.setdefault(recording_key, Recording())
+    strategy = overrides.strategy or setup.effective_strategy()
+    # Statistics cost more than the verdicts: computed where a report or the summary may show
+    # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
+    statistics = (
+        request.config.getoption("gradref_report") is not None
+        or request.config.get_verbosity() > 0
+        or strategy == "crosscheck"
+    )
     policy = CheckPolicy(
         backend=setup.backend.name,
         table=setup.backend.tolerances,
         overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
         budget=overrides.budget,
         recording=recording,
+        statistics=statistics,
     )
     return GradReference(
-        strategy=overrides.strategy or setup.effective_strategy(),
+        strategy=strategy,
         default_strategy=setup.backend.default_strategy,
         policy=policy,
         golden=overrides.golden,

@@ -13,28 +13,28 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from pytest_gradref.backends import STRATEGIES, Strategy
 from pytest_gradref.compare import (
+    BudgetItem,
+    Item,
     ItemCheck,
     ResolvedTolerance,
     Tolerance,
+    ToleranceItem,
     ToleranceOverride,
-    check_budget,
-    check_tolerance,
+    check_items,
     dtype_name,
     epsilon,
     format_failures,
     less_precise,
     resolve_tolerance,
 )
+from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
 
 if TYPE_CHECKING:
     import torch
 
-StrategyChoice = Literal["autograd", "grad_and_value", "crosscheck"]
-STRATEGY_CHOICES: tuple[StrategyChoice, ...] = ("autograd", "grad_and_value", "crosscheck")
 Argnums = Union[int, Sequence[int]]
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
 ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]
@@ -44,8 +44,10 @@ ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Mo
 class Disagreement:
     """How far autograd and grad_and_value differ on one item (crosscheck).
 
-    ``exceeds_tolerance`` says whether the two differ by more than the item's tolerance,
-    i.e. whether the choice of strategy alone could fail a test.
+    ``received`` is the strategy whose result the test received (the backend's default) and
+    ``checked_against`` the other one, computed only to compare. ``exceeds_tolerance`` says
+    whether the two differ by more than the item's tolerance, i.e. whether the choice of
+    strategy alone could fail a test.
     """
 
     label: str
@@ -54,6 +56,8 @@ class Disagreement:
     max_rel: float
     exceeds_tolerance: bool
     tolerance: str
+    received: Strategy
+    checked_against: Strategy
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Recording:
 
     checks: list[ItemCheck] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)
+    # The strategy whose result each reference handed the test (never "crosscheck").
     strategies: list[str] = field(default_factory=list)
 
 
@@ -74,6 +79,9 @@ class CheckPolicy:
     overrides: tuple[ToleranceOverride, ...] = ()
     budget: float | None = None
     recording: Recording | None = None
+    # Whether assert_close computes each item's statistics (for the report and the summary)
+    # besides its verdict.
+    statistics: bool = True
 
     def tolerance(
         self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = ()
@@ -163,17 +171,17 @@ class Reference:
         extra: tuple[ToleranceOverride, ...] = ()
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
-        checks = []
+        items: list[Item] = []
         for label, actual, expected, golden in self._pair_items(
             actual_value, actual_grads, param_grads
         ):
             if budget is not None:
-                checks.append(check_budget(label, actual, expected, golden, budget))
+                items.append(BudgetItem(label, actual, expected, golden, budget))
                 continue
             dtype = expected.dtype if actual is None else less_precise(actual.dtype, expected.dtype)
-            checks.append(
-                check_tolerance(label, actual, expected, self.policy.tolerance(dtype, extra))
-            )
+            resolved = self.policy.tolerance(dtype, extra)
+            items.append(ToleranceItem(label, actual, expected, resolved))
+        checks = check_items(items, statistics=self.policy.statistics)  # one host read
         if self.policy.recording is not None:
             self.policy.recording.checks.extend(checks)
         if not all(check.passed for check in checks):
@@ -289,23 +297,36 @@ def normalize_argnums(
 def _argument_labels(fn: Callable[..., Any], count: int, argnums: tuple[int, ...]) -> list[str]:
     """'gradient of argument 1 (weight)', naming parameters where the signature allows."""
     names: list[str | None] = [None] * count
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        signature = None
-    if signature is not None:
-        positional = [
-            p
-            for p in signature.parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        for i in range(min(count, len(positional))):
-            names[i] = positional[i].name
+    positional = _positional_names(fn)
+    for i in range(min(count, len(positional))):
+        names[i] = positional[i]
     labels = []
     for i in argnums:
         suffix = f" ({names[i]})" if names[i] else ""
         labels.append(f"gradient of argument {i}{suffix}")
     return labels
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    """The names of fn's positional parameters (empty where it has no signature)."""
+    if (
+        inspect.isfunction(fn)
+        and not hasattr(fn, "__wrapped__")
+        and not hasattr(fn, "__signature__")
+    ):
+        # A plain function's are its code's first arguments: what inspect.signature reports,
+        # at a fraction of its cost, which counts once per test.
+        code = fn.__code__
+        return list(code.co_varnames[: code.co_argcount])
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
 
 
 @dataclass
@@ -461,8 +482,14 @@ _STRATEGY_FUNCTIONS: dict[Strategy, Callable[[_Problem], _Result]] = {
 
 
 def _disagreement(
-    label: str, a: torch.Tensor, b: torch.Tensor, policy: CheckPolicy
+    label: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    policy: CheckPolicy,
+    received: Strategy,
+    checked_against: Strategy,
 ) -> Disagreement:
+    """How far ``a`` (received) and ``b`` (checked against) differ."""
     import torch
 
     a64, b64 = a.detach().double(), b.detach().double()
@@ -470,12 +497,21 @@ def _disagreement(
     resolved = policy.tolerance(a.dtype)
     tol = resolved.tolerance
     if diff.numel() == 0:
-        return Disagreement(label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source)
+        return Disagreement(
+            label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source, received, checked_against
+        )
     relative = torch.where(diff == 0, torch.zeros_like(diff), diff / b64.abs())
     exceeds = not bool(torch.isclose(a64, b64, rtol=tol.rtol, atol=tol.atol).all())
     criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
     return Disagreement(
-        label, dtype_name(a.dtype), float(diff.max()), float(relative.max()), exceeds, criterion
+        label,
+        dtype_name(a.dtype),
+        float(diff.max()),
+        float(relative.max()),
+        exceeds,
+        criterion,
+        received,
+        checked_against,
     )
 
 
@@ -586,11 +622,11 @@ def compute_reference(
             (f"gradient of parameter {name!r}", grad, other.param_grads[name])
             for name, grad in result.param_grads.items()
         ]
-        crosscheck = tuple(_disagreement(*pair, policy) for pair in pairs)
+        crosscheck = tuple(_disagreement(*pair, policy, primary, other_strategy) for pair in pairs)
         if policy.recording is not None:
             policy.recording.disagreements.extend(crosscheck)
     if policy.recording is not None:
-        policy.recording.strategies.append(strategy)
+        policy.recording.strategies.append(primary)
 
     golden_result = None
     if golden is not None:

@@ -6,8 +6,6 @@ there, written as JSON with ``--gradref-report=PATH`` and summarised in the term
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,12 +18,6 @@ if TYPE_CHECKING:
     from pytest_gradref.reference import Recording
     from pytest_gradref.settings import Setup
 
-REPORT_HELP = (
-    "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
-    "item the dtype, greatest absolute and relative error, the tolerance or budget used and "
-    "the headroom left; under --gradref-strategy=crosscheck also how far autograd and "
-    "grad_and_value disagree."
-)
 TIGHTEST_SHOWN = 10
 
 
@@ -37,7 +29,9 @@ def _finite(value: Any) -> Any:
 
 
 def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
-    return {k: _finite(v) for k, v in dataclasses.asdict(obj).items() if k not in drop}
+    """A flat dataclass instance's fields as a dict (vars: asdict's deep copy costs a test
+    more than its comparison)."""
+    return {k: _finite(v) for k, v in vars(obj).items() if k not in drop}
 
 
 def record_for_test(
@@ -48,6 +42,8 @@ def record_for_test(
         "nodeid": nodeid,
         "device": str(setup.device),
         "backend": setup.backend.name,
+        # The strategies whose results the test received; under crosscheck each entry of
+        # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
         "seed": seed_for_test(base_seed, nodeid),
         "items": [_plain(check, drop=("detail",)) for check in recording.checks],
@@ -71,6 +67,8 @@ class ReportCollector:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.path is None or hasattr(session.config, "workerinput"):
             return
+        import json
+
         tests = sorted(self.records, key=lambda r: r["nodeid"])
         document = {"base_seed": self.base_seed, "tests": tests}
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,21 +84,29 @@ class ReportCollector:
             terminalreporter.write_line(f"gradref report written to {self.path}")
 
     def summary_lines(self, verbose: bool) -> list[str]:
-        """Every crosscheck disagreement beyond tolerance, and the tightest items (with -v, or
+        """Under crosscheck, which strategy the tests received and which it was checked
+        against, and every disagreement beyond tolerance; the tightest items (with -v, or
         whenever there is such a disagreement, to show how much room the tests had)."""
         lines = []
-        exceeding = [
-            (record["nodeid"], d)
-            for record in self.records
-            for d in record["crosscheck"]
-            if d["exceeds_tolerance"]
-        ]
+        checked = [(record["nodeid"], d) for record in self.records for d in record["crosscheck"]]
+        pairs: dict[tuple[str, str], list[int]] = {}
+        for _, d in checked:
+            counts = pairs.setdefault((d["received"], d["checked_against"]), [0, 0])
+            counts[0] += 1
+            counts[1] += bool(d["exceeds_tolerance"])
+        for (received, against), (count, beyond) in sorted(pairs.items()):
+            lines.append(
+                f"crosscheck: {count} items received {received} results, checked against "
+                f"{against}; {beyond} {'differs' if beyond == 1 else 'differ'} beyond tolerance"
+            )
+        exceeding = [(nodeid, d) for nodeid, d in checked if d["exceeds_tolerance"]]
         if exceeding:
             lines.append("autograd and grad_and_value disagree beyond tolerance:")
             for nodeid, d in exceeding:
                 lines.append(
                     f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {d['max_abs']:.3g} "
-                    f"(relative {d['max_rel']:.3g}); tolerance {d['tolerance']}"
+                    f"(relative {d['max_rel']:.3g}) between {d['received']} (received) and "
+                    f"{d['checked_against']} (checked against); tolerance {d['tolerance']}"
                 )
         if verbose or exceeding:
             items = [

@@ -9,7 +9,6 @@ is done only once a test needs it, so loading the plugin stays cheap.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,11 +16,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_gradref.backends import Backend, BackendRegistry
-from pytest_gradref.reference import STRATEGY_CHOICES, StrategyChoice
+from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
 
 if TYPE_CHECKING:
     import torch
+
+    from pytest_gradref.backends import Backend, BackendRegistry
 
 DEVICE_HELP = (
     "device the gradient tests run on: auto (the first available of cuda, npu, xpu, mps, cpu), "
@@ -52,6 +52,13 @@ SEED_HELP = (
 )
 SEED_OPTION = OptionSpec(
     "--gradref-seed", "gradref_seed", "GRADREF_SEED", "gradref_seed", SEED_HELP
+)
+REPORT_HELP = (
+    "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
+    "item the dtype, greatest absolute and relative error, the tolerance or budget used and "
+    "the headroom left; under --gradref-strategy=crosscheck also how far autograd and "
+    "grad_and_value disagree, naming the strategy each test received and the one it was "
+    "checked against."
 )
 STRATEGY_OPTION = OptionSpec(
     "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
@@ -96,6 +103,8 @@ def parse_seed(setting: Setting) -> int:
 
 def seed_for_test(base: int, nodeid: str) -> int:
     """A seed that depends only on the base seed and the test's node id (stable across runs)."""
+    import hashlib
+
     digest = hashlib.sha256(f"{base}:{nodeid}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # < 2**63, what torch.manual_seed takes
 

@@ -18,7 +18,7 @@ import pytest
 from pytest_gradref.settings import DeviceRequest, Setting, Setup
 
 if TYPE_CHECKING:
-    from pytest_gradref.plugin import GradrefState
+    from pytest_gradref.state import GradrefState
 
 WORKER_DEVICE_KEY = "gradref_device"
 WORKER_SETUP_KEY = "gradref_setup"

@@ -3,6 +3,8 @@ where the tolerance came from) and which tolerance is in force."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 FAILURES = """
@@ -273,3 +275,98 @@ def test_line_up(grad_reference):
 """
     )
     pytester.runpytest("--gradref-device=cpu").assert_outcomes(passed=1)
+
+
+HOST_READS = """
+import pytest
+import torch
+
+READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    \"\"\"Counts the calls that read a tensor's values to the host (a sync on an accelerator).\"\"\"
+    count = [0]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return count
+
+
+def loss(x, w):
+    return torch.log_softmax(x @ w.T, dim=-1).square().sum()
+
+
+def kernel(x, w):
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = loss(xx, ww)
+    out.backward()
+    return out.detach(), xx.grad, ww.grad
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 6)
+        self.b = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).square().sum()
+
+
+def test_three_items(grad_reference, host_reads):
+    x, w = torch.randn(16, 32), torch.randn(48, 32)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    actual = kernel(x, w)
+    host_reads[0] = 0
+    ref.assert_close(actual[0], actual[1:])
+    assert host_reads[0] <= 1
+
+
+def test_module_items(grad_reference, host_reads):
+    net, x = Net(), torch.randn(5, 8)
+    ref = grad_reference(net, x)
+    xx = x.clone().requires_grad_()
+    out = net(xx)
+    out.backward()
+    host_reads[0] = 0
+    ref.assert_close(out, xx.grad, param_grads=net)  # six items
+    assert host_reads[0] <= 1
+
+
+def test_budget(grad_reference, host_reads):
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    w = torch.randn(48, 32, dtype=torch.bfloat16)
+    ref = grad_reference(loss, x, w, argnums=(0, 1), golden=torch.float64)
+    value, gx, gw = kernel(x.float(), w.float())
+    host_reads[0] = 0
+    ref.assert_close(value, (gx.bfloat16(), gw.bfloat16()), budget=4)
+    assert host_reads[0] <= 1
+
+
+def test_the_counter_counts(host_reads):
+    t = torch.ones(3)
+    assert bool(t.sum()) and float(t[0]) == 1.0 and t.tolist() == [1.0, 1.0, 1.0]
+    assert host_reads[0] == 3
+"""
+
+
+def test_a_passing_assert_close_reads_the_host_once(pytester: pytest.Pytester) -> None:
+    # One host read (one sync on an accelerator) per call, whatever the number of items: the
+    # verdicts and the report's statistics are computed on the device and read together.
+    pytester.makepyfile(HOST_READS)
+    # Verdicts alone, and verdicts with the statistics a report records.
+    result = pytester.runpytest("--gradref-device=cpu", "-p", "no:randomly")
+    result.assert_outcomes(passed=4)
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=r.json")
+    result.assert_outcomes(passed=4)
+    report = json.loads((pytester.path / "r.json").read_text())
+    items = [item for test in report["tests"] for item in test["items"]]
+    assert len(items) == 12
+    assert all(isinstance(item["max_abs"], float) for item in items)

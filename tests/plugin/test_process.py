@@ -3,19 +3,58 @@ pytest-xdist (``-n 2``), markers and strategies included."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+import pytest_gradref
+
 RECORD_TORCH = """
+import json
 import os
 import sys
 
 
 def test_no_torch(pytestconfig):
-    with open(os.path.join(str(pytestconfig.rootpath), "torch_loaded.txt"), "w") as handle:
-        handle.write(str("torch" in sys.modules))
+    loaded = sorted(m for m in sys.modules if m == "torch" or m.startswith("pytest_gradref"))
+    with open(os.path.join(str(pytestconfig.rootpath), "loaded.json"), "w") as handle:
+        json.dump(loaded, handle)
     assert pytestconfig.pluginmanager.hasplugin("gradref")
     assert "torch" not in sys.modules
 """
+
+IMPORT_PLUGIN = """
+import json, sys
+import pytest
+before = set(sys.modules)
+import pytest_gradref.plugin
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_importing_the_plugin_loads_only_the_hooks() -> None:
+    # What pytest does when it loads the plugin, in a fresh interpreter: import the entry
+    # point after pytest. Everything else (settings, backends, markers, the reference and
+    # comparison code, the report, torch) loads when a hook or fixture first needs it.
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_PLUGIN], capture_output=True, text=True, check=True
+    )
+    loaded = set(json.loads(done.stdout))
+    assert loaded == {"pytest_gradref", "pytest_gradref.hookspecs", "pytest_gradref.plugin"}
+
+
+def test_public_names_load_on_first_access() -> None:
+    from pytest_gradref import Reference, Tolerance
+
+    assert Reference.__module__ == "pytest_gradref.reference"
+    assert Tolerance(rtol=0.0, atol=0.0).rtol == 0.0
+    assert set(pytest_gradref.__all__) <= set(dir(pytest_gradref))
+    for name in pytest_gradref.__all__:
+        assert getattr(pytest_gradref, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        pytest_gradref.nothing  # noqa: B018
 
 
 def test_plugin_loads_without_importing_torch(
@@ -30,7 +69,11 @@ def test_plugin_loads_without_importing_torch(
     result.stdout.fnmatch_lines(["plugins:*gradref-*"])
     result.stdout.no_fnmatch_line("gradref: *")  # no device was resolved, so no header
     result.assert_outcomes(passed=1)
-    assert (pytester.path / "torch_loaded.txt").read_text() == "False"
+    loaded = json.loads((pytester.path / "loaded.json").read_text())
+    assert "torch" not in loaded
+    # A session without gradient tests never loads the reference and comparison code.
+    assert "pytest_gradref.reference" not in loaded
+    assert "pytest_gradref.compare" not in loaded
 
 
 XDIST_TESTS = """

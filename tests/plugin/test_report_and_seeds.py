@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -98,8 +99,51 @@ def test_agree(grad_reference):
     result = pytester.runpytest("--gradref-strategy=crosscheck", "--gradref-report=r.json")
     result.assert_outcomes(passed=1)
     record = json.loads((pytester.path / "r.json").read_text())["tests"][0]
-    assert record["strategies"] == ["crosscheck"]
+    # The strategy whose result the test received, and per item the one it was checked
+    # against.
+    assert record["strategies"] == ["autograd"]
     assert [d["label"] for d in record["crosscheck"]] == ["value", "gradient of argument 0 (x)"]
+    for entry in record["crosscheck"]:
+        assert (entry["received"], entry["checked_against"]) == ("autograd", "grad_and_value")
+    result.stdout.fnmatch_lines(
+        [
+            "*= gradref =*",
+            "crosscheck: 2 items received autograd results, checked against grad_and_value; "
+            "0 differ beyond tolerance",
+        ]
+    )
+
+
+def test_crosscheck_on_npu_received_grad_and_value(
+    pytester: pytest.Pytester, npu_on_cpu: Callable[[str], None]
+) -> None:
+    # On the npu policy the test receives grad_and_value's result, checked against autograd.
+    npu_on_cpu("")
+    pytester.makepyfile(
+        """
+import torch
+
+def test_npu(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    ref = grad_reference(lambda t: (t * t).sum(), x)
+    assert ref.strategy == "grad_and_value"
+    assert {(d.received, d.checked_against) for d in ref.crosscheck} == {
+        ("grad_and_value", "autograd")
+    }
+"""
+    )
+    result = pytester.runpytest(
+        "--gradref-device=npu", "--gradref-strategy=crosscheck", "--gradref-report=r.json"
+    )
+    result.assert_outcomes(passed=1)
+    record = json.loads((pytester.path / "r.json").read_text())["tests"][0]
+    assert record["strategies"] == ["grad_and_value"]
+    assert {(d["received"], d["checked_against"]) for d in record["crosscheck"]} == {
+        ("grad_and_value", "autograd")
+    }
+    result.stdout.fnmatch_lines(
+        ["crosscheck: 2 items received grad_and_value results, checked against autograd; *"]
+    )
 
 
 def test_crosscheck_beyond_tolerance_is_always_summarised(pytester: pytest.Pytester) -> None:
@@ -144,8 +188,11 @@ def test_disagree(grad_reference):
     result.stdout.fnmatch_lines(
         [
             "*= gradref =*",
+            "crosscheck: 2 items received autograd results, checked against grad_and_value; "
+            "1 differs beyond tolerance",
             "autograd and grad_and_value disagree beyond tolerance:",
-            "*test_disagree: gradient of argument 0 (t) (float64) differs by *(relative 0.000999)*",
+            "*test_disagree: gradient of argument 0 (t) (float64) differs by *(relative 0.000999) "
+            "between autograd (received) and grad_and_value (checked against); tolerance *",
             "tightest compared items (of 2):",
         ]
     )

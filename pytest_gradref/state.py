@@ -1,0 +1,52 @@
+"""The session's gradref state and the stash keys that hold it.
+
+Its own module so that the hook modules (plugin.py, xdist.py) both import it and neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from pytest_gradref.backends import BackendRegistry
+    from pytest_gradref.reference import Recording
+    from pytest_gradref.report import ReportCollector
+    from pytest_gradref.settings import DeviceRequest, Setup
+    from pytest_gradref.strategies import StrategyChoice
+
+
+@dataclass
+class GradrefState:
+    """Per-session state: the registry, the parsed settings and, once needed, the setup."""
+
+    registry: BackendRegistry
+    device_request: DeviceRequest
+    strategy: StrategyChoice | None
+    strategy_source: str
+    seed: int
+    report: ReportCollector
+    resolved: Setup | None = None
+    reported: bool = False
+
+    def setup(self) -> Setup:
+        """The resolved device and strategy; probes the backends (imports torch) once."""
+        if self.resolved is None:
+            from pytest_gradref.settings import resolve
+
+            self.resolved = resolve(
+                self.device_request, self.strategy, self.strategy_source, self.registry
+            )
+        return self.resolved
+
+
+state_key = pytest.StashKey[GradrefState]()
+# What one test's references checked, on the test item.
+recording_key: pytest.StashKey[Recording] = pytest.StashKey()
+
+
+def gradref_state(config: pytest.Config) -> GradrefState:
+    return config.stash[state_key]
