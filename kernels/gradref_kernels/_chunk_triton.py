@@ -17,8 +17,8 @@ Passes over a row (Vs == Vt == V, fp32; bytes per row in brackets):
 * last pass [read 8V, write 4V]: the gradient (in the fused loss, over the teacher logits
   each tile has just read) and, for beta == 0 and beta == 1, the soft loss.
 
-``expm1`` and ``log1p`` of small arguments come from short series (fused multiply-adds, no
-extra transcendental per element), so the passes stay bound by memory traffic.
+Where d is small, L comes from a short series in d (fused multiply-adds, no extra
+transcendental per element), so the passes stay bound by memory traffic.
 
 So 28V bytes per row for 0 < beta < 1 and 20V for beta in {0, 1} (fp32 teacher; a bf16
 teacher takes 2V per read and per write off); each pass runs in the opposite direction of the
@@ -81,35 +81,27 @@ if triton is not None:
 
     @triton.jit
     def _series_argument(x, CLAMP: tl.constexpr):
-        # The series below are selected only where |x| < 0.25; elsewhere their value is
-        # dropped. Compiled, an overflow there costs nothing; the CPU interpreter (numpy)
-        # warns about it, so it gets the argument clamped.
+        # A series is selected only where |x| < 0.25; elsewhere its value is dropped.
+        # Compiled, an overflow there costs nothing; the CPU interpreter (numpy) warns about
+        # it, so it gets the argument clamped.
         if CLAMP:
             return tl.minimum(tl.maximum(x, -0.25), 0.25)
         return x
 
     @triton.jit
-    def _expm1(x, CLAMP: tl.constexpr):
-        """exp(x) - 1 to a few ulps of the result, also where |x| is small (exp(x) - 1 alone
-        would keep only the absolute accuracy of exp(x) near 1). -inf gives -1."""
-        # Taylor to x**7 / 7!, in two interleaved halves of Horner's scheme.
-        small = _series_argument(x, CLAMP)
-        x2 = small * small
-        odd = 1.0 + x2 * (1.0 / 6 + x2 * (1.0 / 120 + x2 / 5040))
-        even = 0.5 + x2 * (1.0 / 24 + x2 / 720)
-        series = small * odd + x2 * even
-        return tl.where(tl.abs(x) < 0.25, series, tl.exp2(x * _LOG2E_K) - 1.0)
-
-    @triton.jit
-    def _log1p(y, FAST_LOG2: tl.constexpr, CLAMP: tl.constexpr):
-        """log(1 + y), y > -1, to a few ulps of the result, also where |y| is small: there
-        2 atanh(y / (2 + y)) by its series, elsewhere log2(1 + y) ln 2."""
-        small = _series_argument(y, CLAMP)
-        # The default division (2 ulp, not IEEE-rounded) is plenty for the series' argument.
-        w = tl.fdiv(small, 2.0 + small)
-        w2 = w * w
-        series = 2.0 * w * (1.0 + w2 * (1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 / 9))))
-        return tl.where(tl.abs(y) < 0.25, series, _log2_fast(1.0 + y, FAST_LOG2) * _LN2_K)
+    def _log_mixture_ratio(
+        d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2: tl.constexpr, CLAMP
+    ):
+        """L = log(M / S) = log(1 - beta + beta 2**d2) in natural units, d2 = log2(T / S), to
+        a few ulps of L also where d2 is small (log M - log S there would keep only the
+        absolute accuracy of log M). Where |d| < 0.25 (d = d2 ln 2): the series of d whose
+        coefficients c1..c7 are the cumulants of a Bernoulli(beta) variable over n!
+        (truncation below 5e-9 of L); elsewhere the log-sum-exp of the mixture."""
+        d = d2 * _LN2_K
+        x = _series_argument(d, CLAMP)
+        series = x * (c1 + x * (c2 + x * (c3 + x * (c4 + x * (c5 + x * (c6 + x * c7))))))
+        mixture = _logaddexp2(log2_1mbeta, log2_beta + d2, FAST_LOG2) * _LN2_K
+        return tl.where(tl.abs(d) < 0.25, series, mixture)
 
     @triton.jit
     def _rounded_to(x, dtype: tl.constexpr):
@@ -152,6 +144,13 @@ if triton is not None:
         beta,
         log2_beta,
         log2_1mbeta,
+        c1,  # c1..c7: the series of _log_mixture_ratio
+        c2,
+        c3,
+        c4,
+        c5,
+        c6,
+        c7,
         soft_coef,  # d(soft)/dz factor
         weight_hard,
         MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
@@ -223,12 +222,12 @@ if triton is not None:
             if MODE == 1:
                 k = (tl.sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
             if MODE == 2:
-                # Pass 2: the loss, beta sum(T d) - sum(S L) - sum(S L b) with d = log T - log S,
-                # b = beta expm1(d), L = log1p(b) (see _chunk_torch): every term is small where
-                # S ~ T, none a difference of large ones. Needs both final log-sum-exps.
+                # Pass 2: the loss, beta sum(T d) - sum(M L) with d = log T - log S and
+                # L = log(M / S) (see _chunk_torch): every term is small where S ~ T, none a
+                # difference of large ones; and K = sum(S L). Needs both final log-sum-exps.
                 acc_td = tl.zeros([BLOCK_V], tl.float32)
                 acc_sl = tl.zeros([BLOCK_V], tl.float32)
-                acc_slb = tl.zeros([BLOCK_V], tl.float32)
+                acc_ml = tl.zeros([BLOCK_V], tl.float32)
                 # Backwards, so the first tiles re-read are the ones pass 1 read last and the
                 # L2 cache may still hold; the last pass then runs forwards for the same reason.
                 last_t = (vt - 1) // BLOCK_V * BLOCK_V
@@ -238,18 +237,20 @@ if triton is not None:
                     z = tl.load(z_row + cols, mask=cols < vs, other=0.0)
                     t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                     ls = z * scale2 - lse_s
-                    # A zero teacher probability gives d = -inf: clamped, its T d = S (1 + e) d
-                    # is 0 * finite = 0, never 0 * inf.
-                    d = tl.maximum((t * scale2 - lse_t - ls) * _LN2_K, _NEG)
-                    s = tl.where(in_t, tl.exp2(ls), 0.0)
-                    e = _expm1(d, CLAMP)
-                    b = beta * e
-                    sl = s * _log1p(b, FAST_LOG2, CLAMP)
-                    acc_td += s * (1.0 + e) * d
-                    acc_sl += sl
-                    acc_slb += sl * b
+                    lt = t * scale2 - lse_t
+                    s = tl.exp2(ls)
+                    q = tl.exp2(lt)
+                    # A zero teacher probability (lt = -inf) adds T d = 0 * finite, not 0 * inf.
+                    d2 = tl.maximum(lt - ls, _NEG)
+                    el = _log_mixture_ratio(
+                        d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2, CLAMP
+                    )
+                    acc_td += tl.where(in_t, q * d2, 0.0)
+                    acc_sl += tl.where(in_t, s * el, 0.0)
+                    acc_ml += tl.where(in_t, (beta * q + (1.0 - beta) * s) * el, 0.0)
                 k = tl.sum(acc_sl, 0)
-                tl.store(soft_ptr + row, beta * tl.sum(acc_td, 0) - k - tl.sum(acc_slb, 0))
+                soft = beta * tl.sum(acc_td, 0) * _LN2_K - tl.sum(acc_ml, 0)
+                tl.store(soft_ptr + row, soft)
             if HARD:
                 tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
@@ -268,17 +269,21 @@ if triton is not None:
                 t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                 ls = z * scale2 - lse_s
                 lt = t * scale2 - lse_t
-                d = (lt - ls) * _LN2_K
                 s = tl.exp2(ls)
+                # acc: the KL endpoints' terms in base-2 units (converted once, after the sum).
                 if MODE == 0:
                     q = tl.exp2(lt)
-                    g = soft_coef * (s - q)
-                    # Zero-weight terms are masked out before the product, so no 0 * inf.
-                    acc += tl.where(in_t, q * tl.where(q > 0, d, 0.0) + (s - q), 0.0)
+                    s_minus_q = s - q
+                    g = soft_coef * s_minus_q
+                    # A zero teacher probability (lt = -inf) adds 0 * finite, not 0 * inf.
+                    t_d2 = q * tl.maximum(lt - ls, _NEG)
+                    acc += tl.where(in_t, t_d2 + s_minus_q * _LOG2E_K, 0.0)
                 elif MODE == 1:
                     q = tl.exp2(lt)
-                    g = soft_coef * s * (-d - k)
-                    acc += tl.where(in_t, s * tl.where(s > 0, -d, 0.0) + (q - s), 0.0)
+                    g = soft_coef * s * ((ls - lt) * _LN2_K - k)
+                    # There an S above 0 makes the KL infinite, as it is.
+                    s_d2 = s * tl.where(s > 0, ls - lt, 0.0)
+                    acc += tl.where(in_t, s_d2 + (q - s) * _LOG2E_K, 0.0)
                 else:
                     # L = log(M / S) again, from log M as a log-sum-exp: to about 2e-7 absolute,
                     # far below the rounding of the gradient to the matmul dtype, at a third of
@@ -290,7 +295,7 @@ if triton is not None:
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
                 tl.store(out_row + cols, _rounded_to(g, out_ptr.dtype.element_ty), mask=in_s)
             if MODE != 2:
-                tl.store(soft_ptr + row, tl.sum(acc, 0))
+                tl.store(soft_ptr + row, tl.sum(acc, 0) * _LN2_K)
 
     @triton.jit
     def _scaled_cast_kernel(src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
@@ -324,6 +329,16 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
     return (
         f"the Triton chunk kernel runs on cuda (or cpu under TRITON_INTERPRET=1), not {device.type}"
     )
+
+
+def _mixture_series(beta: float, terms: int = 7) -> list[float]:
+    """Coefficients of log(1 - beta + beta e^d) = sum c_n d^n, n = 1..terms: the cumulants
+    kappa_n of a Bernoulli(beta) variable (whose log-MGF it is) over n!, from its moments (all
+    beta) by the moment-cumulant recursion."""
+    kappa = [0.0] * (terms + 1)
+    for n in range(1, terms + 1):
+        kappa[n] = beta - sum(math.comb(n - 1, j - 1) * kappa[j] * beta for j in range(1, n))
+    return [kappa[n] / math.factorial(n) for n in range(1, terms + 1)]
 
 
 def _default_config(n: int, vt: int) -> tuple[int, int]:
@@ -389,6 +404,7 @@ def _launch(
             beta,
             math.log2(beta) if beta > 0.0 else 0.0,
             math.log2(1.0 - beta) if beta < 1.0 else 0.0,
+            *_mixture_series(beta),
             soft_coef,
             weight_hard,
             MODE=mode,
