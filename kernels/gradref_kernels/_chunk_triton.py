@@ -63,6 +63,8 @@ if triton is not None:
     _LN2_K = tl.constexpr(_LN2)
     # Stands in for -inf in pass 1: below every real logit, yet _NEG - _NEG is 0, not NaN.
     _NEG = tl.constexpr(-3.0e38)
+    # |log2(T / S)| below which L comes from its series: |log(T / S)| < 0.25.
+    _SERIES_RADIUS2 = tl.constexpr(0.25 / _LN2)
 
     @triton.jit
     def _log2_fast(x, FAST_LOG2: tl.constexpr):
@@ -81,11 +83,11 @@ if triton is not None:
 
     @triton.jit
     def _series_argument(x, CLAMP: tl.constexpr):
-        # A series is selected only where |x| < 0.25; elsewhere its value is dropped.
-        # Compiled, an overflow there costs nothing; the CPU interpreter (numpy) warns about
-        # it, so it gets the argument clamped.
+        # A series is selected only where |x| < _SERIES_RADIUS2; elsewhere its value is
+        # dropped. Compiled, an overflow there costs nothing; the CPU interpreter (numpy)
+        # warns about it, so it gets the argument clamped.
         if CLAMP:
-            return tl.minimum(tl.maximum(x, -0.25), 0.25)
+            return tl.minimum(tl.maximum(x, -_SERIES_RADIUS2), _SERIES_RADIUS2)
         return x
 
     @triton.jit
@@ -94,14 +96,13 @@ if triton is not None:
     ):
         """L = log(M / S) = log(1 - beta + beta 2**d2) in natural units, d2 = log2(T / S), to
         a few ulps of L also where d2 is small (log M - log S there would keep only the
-        absolute accuracy of log M). Where |d| < 0.25 (d = d2 ln 2): the series of d whose
-        coefficients c1..c7 are the cumulants of a Bernoulli(beta) variable over n!
-        (truncation below 5e-9 of L); elsewhere the log-sum-exp of the mixture."""
-        d = d2 * _LN2_K
-        x = _series_argument(d, CLAMP)
+        absolute accuracy of log M). Where |d2 ln 2| < 0.25: the series c1..c7 of
+        :func:`_mixture_series` (truncation below 5e-9 of L); elsewhere the log-sum-exp of the
+        mixture."""
+        x = _series_argument(d2, CLAMP)
         series = x * (c1 + x * (c2 + x * (c3 + x * (c4 + x * (c5 + x * (c6 + x * c7))))))
         mixture = _logaddexp2(log2_1mbeta, log2_beta + d2, FAST_LOG2) * _LN2_K
-        return tl.where(tl.abs(d) < 0.25, series, mixture)
+        return tl.where(tl.abs(d2) < _SERIES_RADIUS2, series, mixture)
 
     @triton.jit
     def _rounded_to(x, dtype: tl.constexpr):
@@ -222,12 +223,12 @@ if triton is not None:
             if MODE == 1:
                 k = (tl.sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
             if MODE == 2:
-                # Pass 2: the loss, beta sum(T d) - sum(M L) with d = log T - log S and
-                # L = log(M / S) (see _chunk_torch): every term is small where S ~ T, none a
-                # difference of large ones; and K = sum(S L). Needs both final log-sum-exps.
-                acc_td = tl.zeros([BLOCK_V], tl.float32)
-                acc_sl = tl.zeros([BLOCK_V], tl.float32)
-                acc_ml = tl.zeros([BLOCK_V], tl.float32)
+                # Pass 2: the loss, beta sum(T (d - L)) - (1 - beta) sum(S L) with
+                # d = log T - log S and L = log(M / S) (= beta sum(T d) - sum(M L), see
+                # _chunk_torch): every term is small where S ~ T, none a difference of large
+                # ones; and K = sum(S L). Needs both final log-sum-exps.
+                acc_t = tl.zeros([BLOCK_V], tl.float32)
+                acc_s = tl.zeros([BLOCK_V], tl.float32)
                 # Backwards, so the first tiles re-read are the ones pass 1 read last and the
                 # L2 cache may still hold; the last pass then runs forwards for the same reason.
                 last_t = (vt - 1) // BLOCK_V * BLOCK_V
@@ -238,19 +239,15 @@ if triton is not None:
                     t = tl.load(t_row + cols, mask=in_t, other=0.0).to(tl.float32)
                     ls = z * scale2 - lse_s
                     lt = t * scale2 - lse_t
-                    s = tl.exp2(ls)
-                    q = tl.exp2(lt)
-                    # A zero teacher probability (lt = -inf) adds T d = 0 * finite, not 0 * inf.
+                    # A zero teacher probability (lt = -inf) adds T log(T / M) = 0 * finite.
                     d2 = tl.maximum(lt - ls, _NEG)
                     el = _log_mixture_ratio(
                         d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2, CLAMP
                     )
-                    acc_td += tl.where(in_t, q * d2, 0.0)
-                    acc_sl += tl.where(in_t, s * el, 0.0)
-                    acc_ml += tl.where(in_t, (beta * q + (1.0 - beta) * s) * el, 0.0)
-                k = tl.sum(acc_sl, 0)
-                soft = beta * tl.sum(acc_td, 0) * _LN2_K - tl.sum(acc_ml, 0)
-                tl.store(soft_ptr + row, soft)
+                    acc_t += tl.where(in_t, tl.exp2(lt) * (d2 * _LN2_K - el), 0.0)
+                    acc_s += tl.where(in_t, tl.exp2(ls) * el, 0.0)
+                k = tl.sum(acc_s, 0)
+                tl.store(soft_ptr + row, beta * tl.sum(acc_t, 0) - (1.0 - beta) * k)
             if HARD:
                 tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
@@ -332,13 +329,16 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 
 
 def _mixture_series(beta: float, terms: int = 7) -> list[float]:
-    """Coefficients of log(1 - beta + beta e^d) = sum c_n d^n, n = 1..terms: the cumulants
-    kappa_n of a Bernoulli(beta) variable (whose log-MGF it is) over n!, from its moments (all
-    beta) by the moment-cumulant recursion."""
+    """Coefficients c_n of log(1 - beta + beta 2^d2) = sum c_n d2^n, n = 1..terms.
+
+    In d = d2 ln 2 the function is the log-MGF of a Bernoulli(beta) variable, so its
+    coefficients are the cumulants kappa_n over n!, from the moments (all beta) by the
+    moment-cumulant recursion; the series converges for |d| < pi, and seven terms leave a
+    truncation below 5e-9 of the result for |d| < 0.25."""
     kappa = [0.0] * (terms + 1)
     for n in range(1, terms + 1):
         kappa[n] = beta - sum(math.comb(n - 1, j - 1) * kappa[j] * beta for j in range(1, n))
-    return [kappa[n] / math.factorial(n) for n in range(1, terms + 1)]
+    return [kappa[n] / math.factorial(n) * _LN2**n for n in range(1, terms + 1)]
 
 
 def _default_config(n: int, vt: int) -> tuple[int, int]:
