@@ -82,34 +82,34 @@ if triton is not None:
         return hi + _log2_fast(1.0 + tl.exp2(tl.minimum(a, b) - hi), FAST_LOG2)
 
     @triton.jit
-    def _series_argument(x, CLAMP: tl.constexpr):
+    def _series_argument(x, INTERPRETED: tl.constexpr):
         # A series is selected only where |x| < _SERIES_RADIUS2; elsewhere its value is
         # dropped. Compiled, an overflow there costs nothing; the CPU interpreter (numpy)
         # warns about it, so it gets the argument clamped.
-        if CLAMP:
+        if INTERPRETED:
             return tl.minimum(tl.maximum(x, -_SERIES_RADIUS2), _SERIES_RADIUS2)
         return x
 
     @triton.jit
     def _log_mixture_ratio(
-        d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2: tl.constexpr, CLAMP
+        d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2: tl.constexpr, INTERPRETED
     ):
         """L = log(M / S) = log(1 - beta + beta 2**d2) in natural units, d2 = log2(T / S), to
         a few ulps of L also where d2 is small (log M - log S there would keep only the
         absolute accuracy of log M). Where |d2 ln 2| < 0.25: the series c1..c7 of
         :func:`_mixture_series` (truncation below 5e-9 of L); elsewhere the log-sum-exp of the
         mixture."""
-        x = _series_argument(d2, CLAMP)
+        x = _series_argument(d2, INTERPRETED)
         series = x * (c1 + x * (c2 + x * (c3 + x * (c4 + x * (c5 + x * (c6 + x * c7))))))
         mixture = _logaddexp2(log2_1mbeta, log2_beta + d2, FAST_LOG2) * _LN2_K
         return tl.where(tl.abs(d2) < _SERIES_RADIUS2, series, mixture)
 
     @triton.jit
-    def _rounded_to(x, dtype: tl.constexpr):
-        """float32 ``x`` as ``dtype``, rounded to nearest even. For bfloat16 the rounding is
-        done on the bits, so every backend gives the same result: a plain cast truncates in
-        Triton's CPU interpreter. (NaN stays NaN; a carry into the exponent gives inf.)"""
-        if dtype == tl.bfloat16:
+    def _rounded_to(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """float32 ``x`` as ``dtype``, rounded to nearest even. Compiled, that is the cast
+        (cvt.rn); Triton's CPU interpreter truncates a cast to bfloat16, so there the rounding
+        is done on the bits. (NaN stays NaN; a carry into the exponent gives inf.)"""
+        if INTERPRETED and dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits += 0x7FFF + ((bits >> 16) & 1)
             return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -158,7 +158,7 @@ if triton is not None:
         HARD: tl.constexpr,
         SHARE_LSE: tl.constexpr,  # softmax(z) == S (tau == 1, Vt == Vs)
         FAST_LOG2: tl.constexpr,  # compiled for NVIDIA; the CPU interpreter lacks libdevice
-        CLAMP: tl.constexpr,  # interpreted: see _series_argument
+        INTERPRETED: tl.constexpr,  # Triton's CPU interpreter: _series_argument, _rounded_to
         BLOCK_V: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -242,7 +242,18 @@ if triton is not None:
                     # A zero teacher probability (lt = -inf) adds T log(T / M) = 0 * finite.
                     d2 = tl.maximum(lt - ls, _NEG)
                     el = _log_mixture_ratio(
-                        d2, c1, c2, c3, c4, c5, c6, c7, log2_beta, log2_1mbeta, FAST_LOG2, CLAMP
+                        d2,
+                        c1,
+                        c2,
+                        c3,
+                        c4,
+                        c5,
+                        c6,
+                        c7,
+                        log2_beta,
+                        log2_1mbeta,
+                        FAST_LOG2,
+                        INTERPRETED,
                     )
                     acc_t += tl.where(in_t, tl.exp2(lt) * (d2 * _LN2_K - el), 0.0)
                     acc_s += tl.where(in_t, tl.exp2(ls) * el, 0.0)
@@ -290,19 +301,21 @@ if triton is not None:
                 if HARD:
                     p = s if SHARE_LSE else tl.exp2(z * _LOG2E_K - lse_z)
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
-                tl.store(out_row + cols, _rounded_to(g, out_ptr.dtype.element_ty), mask=in_s)
+                rounded = _rounded_to(g, out_ptr.dtype.element_ty, INTERPRETED)
+                tl.store(out_row + cols, rounded, mask=in_s)
             if MODE != 2:
                 tl.store(soft_ptr + row, tl.sum(acc, 0) * _LN2_K)
 
     @triton.jit
-    def _scaled_cast_kernel(src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr):
+    def _scaled_cast_kernel(
+        src_ptr, scale_ptr, dst_ptr, numel, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr
+    ):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < numel
         scale = tl.load(scale_ptr).to(tl.float32)
         values = tl.load(src_ptr + offs, mask=in_range)
-        tl.store(
-            dst_ptr + offs, _rounded_to(values * scale, dst_ptr.dtype.element_ty), mask=in_range
-        )
+        scaled = _rounded_to(values * scale, dst_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(dst_ptr + offs, scaled, mask=in_range)
 
 
 def _compiled() -> bool:
@@ -411,7 +424,7 @@ def _launch(
             HARD=compute_hard,
             SHARE_LSE=temperature == 1.0 and vt == vs,
             FAST_LOG2=_compiled() and torch.version.hip is None,
-            CLAMP=not _compiled(),
+            INTERPRETED=not _compiled(),
             BLOCK_V=block_v,
             num_warps=num_warps,
         )
@@ -543,5 +556,13 @@ def scaled_cast(
     numel = source.numel()
     if numel > 0:
         grid = (triton.cdiv(numel, _CAST_BLOCK),)
-        _scaled_cast_kernel[grid](source, scale, out, numel, BLOCK=_CAST_BLOCK, num_warps=8)
+        _scaled_cast_kernel[grid](
+            source,
+            scale,
+            out,
+            numel,
+            BLOCK=_CAST_BLOCK,
+            INTERPRETED=not _compiled(),
+            num_warps=8,
+        )
     return out
