@@ -60,6 +60,7 @@ LOSS_KWARGS: dict[str, Any] = {
 }
 PRECISION_MAX_ROWS = 1024  # keeps the float64 reference small (S1: 1 GiB per logits tensor)
 FLOOR = "gemm-floor"
+ROUNDED = "float64, rounded"  # the precision table's floor: the exact result, rounded once
 PACKAGES = ["triton", "liger-kernel", "matplotlib", "numpy"]  # versions recorded in results.json
 
 
@@ -453,7 +454,14 @@ def precision_rows(
     """Each implementation on `dtype` copies of the problem against the reference on float64
     copies of it."""
     golden = loss_and_grads(_eager(loss_kwargs), problem.copy_as(torch.float64))
-    rows = []
+    # The least error a result can have: the float64 result rounded once, to `dtype` (the
+    # loss to float32, the dtype ours returns it in).
+    rows = [
+        PrecisionRow(case, ROUNDED, quantity, "ok", "", *relative_errors(rounded, exact))
+        for quantity, exact in golden.items()
+        if not loss_only or quantity == "loss"
+        for rounded in [exact.to(torch.float32 if quantity == "loss" else dtype)]
+    ]
     for impl in impls:
         if impl.loss_fn is None:
             rows.append(PrecisionRow(case, impl.name, "all", "skipped", impl.unavailable))
