@@ -9,15 +9,16 @@ gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
 Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs) and the
 teacher logits (in the matmul dtype for the Triton kernel, in float32 for the PyTorch math);
 the per-chunk function writes dLoss/dlogits, in the matmul dtype, over the teacher logits'
-storage, then ``grad_input = dZ @ W`` and ``grad_weight += dZ^T @ X`` run in the weight dtype,
-the latter summed over chunks in float32 (inside the matmul where the device supports it; on
-the Triton path over two chunks' dZ at a time). Besides its inputs and gradients, a call holds
-these two ``(n, V)`` buffers at a time (on the Triton path the teacher logits of two chunks),
-plus the PyTorch path's slice buffers (:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`);
-nothing grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer
-(the gradient itself for float32 weights), which the Triton path keeps until backward scales
-and rounds it in one pass. Nothing reads a tensor value on the host, except the label check on
-CPU.
+storage with no bytes between its rows, then ``grad_input = dZ @ W`` and
+``grad_weight += dZ^T @ X`` run in the weight dtype, the latter summed over chunks in float32
+(inside the matmul where the device supports it; on the Triton path over two chunks' dZ at a
+time). Besides its inputs and gradients, a call holds these two ``(n, V)`` buffers at a time
+(on the Triton path the teacher logits of two chunks), plus the PyTorch path's slice buffers
+(:data:`gradref_kernels._chunk_torch.SLICE_ELEMENTS`) and a float32 ``(n, H)`` product; nothing
+grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the
+gradient itself for float32 weights), which backward scales and rounds in one pass. Nothing
+reads a tensor value on the host, except on the CPU (the label check, and 1/num_valid for the
+matmul that rounds ``grad_input``).
 
 Where this differs from Liger-Kernel 0.8.5, on purpose:
 
@@ -25,11 +26,11 @@ Where this differs from Liger-Kernel 0.8.5, on purpose:
   its chunks can be almost twice as large); the loss does not depend on the chunking;
 - logits, softmax and loss are float32 whatever the input dtype (Liger takes the log-softmax
   of bfloat16 logits), and the weight gradient is accumulated in float32 (Liger: in bfloat16);
-- ``backward`` scales by ``grad_output`` on the device, without Liger's host sync. The
-  gradients wait at the scale of the summed loss and backward applies 1/num_valid with
-  ``grad_output`` (float16 could not hold the per-row gradients of a mean over many rows:
-  they would underflow before a loss scaler's factor arrives; its weight gradient waits in
-  float32);
+- ``backward`` scales by ``grad_output`` on the device, without Liger's host sync. Every
+  gradient is rounded to the input dtype once, after its scaling by 1/num_valid: ``grad_input``
+  chunk by chunk in forward (float16's waits in float32 for backward, since the per-row
+  gradients of a mean over many rows would underflow in it before a loss scaler's factor
+  arrives), the weight and bias gradients from their float32 sums in backward;
 - the soft and hard losses returned with ``return_soft_hard_loss`` are detached (logging only);
 - inputs may have leading batch dimensions, ``(B, T, H)`` with labels ``(B, T)``;
 - labels outside ``[0, V)`` other than ``ignore_index`` are rejected;
