@@ -120,6 +120,15 @@ def triton_device(gradref_device: torch.device) -> torch.device:
     return gradref_device
 
 
+@pytest.fixture(params=["torch", "triton"])
+def implementation(request: pytest.FixtureRequest) -> str:
+    """Each path of the fused loss, by its ``implementation`` name; the Triton one skips,
+    saying why, where its kernels cannot run."""
+    if request.param == "triton":
+        request.getfixturevalue("triton_device")
+    return str(request.param)
+
+
 class GapCheckingMatmuls(torch.overrides.TorchFunctionMode):
     """Fails every matmul handed an operand with nonzero bytes between its rows.
 

@@ -8,6 +8,7 @@ step of the dtype in half precision, 16 in float32: pytest_gradref.compare.FLOOR
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -242,19 +243,15 @@ def _run_with_outputs(
     return tuple(t.detach() for t in outputs), grads
 
 
-@pytest.mark.parametrize("implementation", ["torch", "triton"])
 @pytest.mark.parametrize("chunk_size", [1, 5, 37, 100], ids=["1", "odd", "rows", "more"])
 def test_chunk_size(
     make_jsd_inputs: Any,
     grad_reference: Any,
-    request: pytest.FixtureRequest,
     chunk_size: int,
     implementation: str,
 ) -> None:
     # The Triton path sums the weight gradient over pairs of chunks: here 37 rows make pairs,
     # a partial last pair and a pair of one chunk.
-    if implementation == "triton":
-        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     inputs = make_jsd_inputs(torch.float32, **SMALL)
     options = {"beta": 0.3, "temperature": 2.0}
     loss, grads = inputs.run(
@@ -679,18 +676,14 @@ def test_under_torch_compile(make_jsd_inputs: Any, grad_reference: Any) -> None:
     check_against_reference(grad_reference, inputs, loss, grads, **options)
 
 
-@pytest.mark.parametrize("implementation", ["torch", "triton"])
 def test_peak_memory_is_the_documented_buffers(
     make_jsd_inputs: Any,
     gradref_backend: Any,
     gradref_device: torch.device,
-    request: pytest.FixtureRequest,
     implementation: str,
 ) -> None:
     # Nothing grows with N, and no chunk's buffer outlives its chunk: the peak is the buffers
     # the module docstring lists, whatever the number of chunks (here 8).
-    if implementation == "triton":
-        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     if not gradref_backend.memory_stats(gradref_device):
         pytest.skip(f"torch tracks no allocations on {gradref_device.type}")
     rows, hidden, vocab, chunk = 2048, 64, 4096, 256
@@ -785,11 +778,9 @@ def test_gap_check_catches_rows_laid_over_wider_storage(gap_checking_matmuls: An
 )
 @pytest.mark.parametrize("teacher_vocab", [50, 63], ids=["same-vocab", "wider-teacher"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("implementation", ["torch", "triton"])
 def test_matmul_operands_have_nothing_between_rows(
     make_jsd_inputs: Any,
     gap_checking_matmuls: Any,
-    request: pytest.FixtureRequest,
     implementation: str,
     dtype: torch.dtype,
     teacher_vocab: int,
@@ -800,8 +791,6 @@ def test_matmul_operands_have_nothing_between_rows(
     # between rows are zero: the logit gradient written over the teacher logits, the teacher's
     # extra columns (-inf logits here, so anything left there is not finite) and inputs that
     # come strided (NaN between their elements).
-    if implementation == "triton":
-        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     inputs = make_jsd_inputs(dtype, **{**SMALL, "teacher_vocab": teacher_vocab})
     assert inputs.teacher_bias is not None
     teacher_bias = inputs.teacher_bias.clone()
@@ -833,10 +822,8 @@ def test_matmul_operands_have_nothing_between_rows(
 
 
 @pytest.mark.parametrize("grad_output", [1.0, 4.0])
-@pytest.mark.parametrize("implementation", ["torch", "triton"])
 def test_bfloat16_gradients_are_rounded_once(
     make_jsd_inputs: Any,
-    request: pytest.FixtureRequest,
     monkeypatch: Any,
     implementation: str,
     grad_output: float,
@@ -847,11 +834,7 @@ def test_bfloat16_gradients_are_rounded_once(
     # where float32 accumulation lands across a rounding boundary). Rounding the product,
     # then the scaled product, leaves a fifth of grad_input and two fifths of grad_weight one
     # step off. grad_output 4 is a loss scale: exact in any dtype.
-    if implementation == "triton":
-        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
-        from gradref_kernels import _chunk_triton as module
-    else:
-        module = _chunk_torch
+    module = importlib.import_module(f"gradref_kernels._chunk_{implementation}")
     recorded: list[Tensor] = []
     chunk_fn = module.jsd_chunk_
 
@@ -893,10 +876,8 @@ def test_bfloat16_gradients_are_rounded_once(
 @pytest.mark.parametrize(
     ("beta", "temperature"), [(0.0, 1.0), (0.2, 2.0), (0.5, 1.0), (0.8, 2.0), (1.0, 1.0)]
 )
-@pytest.mark.parametrize("implementation", ["torch", "triton"])
 def test_soft_loss_keeps_its_digits_when_student_is_close(
     make_jsd_inputs: Any,
-    request: pytest.FixtureRequest,
     implementation: str,
     beta: float,
     temperature: float,
@@ -907,8 +888,6 @@ def test_soft_loss_keeps_its_digits_when_student_is_close(
     # a loss computed as a difference of entropies keeps few of its float32 digits there
     # (2e-2 off at a per-row JSD of 2e-6). Relative error against float64 at most 2e-5 where
     # the per-row divergence is at least 1e-4, and 1e-3 where it is at least 1e-6.
-    if implementation == "triton":
-        request.getfixturevalue("triton_device")  # skips where the kernel cannot run
     inputs = make_jsd_inputs(
         torch.float32, rows=96, student_hidden=32, teacher_hidden=32, vocab=2048, bias=False
     )
