@@ -261,32 +261,41 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
 
 
 def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
-    """The actual's greatest error vs the golden, its greatest relative error, 1 if it has
-    NaN, the reference's greatest error vs the golden, the golden's greatest magnitude: as a
-    float64 tensor where the golden is, or None for an item the batched pass leaves out."""
+    """The actual's greatest error vs the golden, its greatest relative error, the
+    reference's greatest error vs the golden, the golden's greatest finite magnitude, and 1 or
+    0 for NaN in the actual, the reference and the golden: as a float64 tensor where the
+    golden is, or None for an item the batched pass leaves out."""
     import torch
 
-    actual, golden = item.actual, item.golden
+    actual, reference, golden = item.actual, item.reference, item.golden
     assert actual is not None
-    if not _batchable(actual, item.reference, golden, on=golden.device):
+    if not _batchable(actual, reference, golden, on=golden.device):
         return None
     if golden.numel() == 0:
-        return torch.zeros(5, dtype=torch.float64, device=golden.device)
+        return torch.zeros(len(_BUDGET_STATS), dtype=torch.float64, device=golden.device)
     own, golden_magnitude = _difference(actual, golden)
     exact = own == 0
     own_rel = torch.where(exact, 0.0, own / golden_magnitude).max()
-    ref, _ = _difference(item.reference, golden)
-    has_nan = own.isnan().any().to(torch.float64)
-    return torch.stack([own.max(), own_rel, has_nan, ref.max(), golden_magnitude.max()])
+    ref, _ = _difference(reference, golden)
+    scale = torch.where(golden_magnitude.isfinite(), golden_magnitude, 0.0).max()
+    nans = [t.detach().isnan().any().to(own) for t in (actual, reference, golden)]
+    return torch.stack([own.max(), own_rel, ref.max(), scale, *nans])
+
+
+# What _budget_stats computes, in its order.
+_BUDGET_STATS = ("own_abs", "own_rel", "ref_abs", "scale", "nan_actual", "nan_ref", "nan_golden")
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """|actual - expected| and |expected|, in float64 on expected's device."""
+    """|actual - expected| and |expected|, in float64 on expected's device. Equal elements
+    differ by 0, infinities of the same sign included (as torch.testing treats them), where
+    the subtraction would give NaN."""
     import torch
 
     a = actual.detach().to(device=expected.device, dtype=torch.float64)
     e = expected.detach().to(torch.float64)
-    return (a - e).abs_(), e.abs()  # new tensors: the callers may change them in place
+    diff = torch.where(a == e, 0.0, a - e).abs_()
+    return diff, e.abs()  # new tensors: the callers may change them in place
 
 
 def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
@@ -299,8 +308,15 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
             return _tolerance_check(item, nan, nan, nan, passed=values[0] == 0)
         max_abs, max_rel, used, mismatch = values
         return _tolerance_check(item, max_abs, max_rel, used, passed=mismatch == 0)
-    own_abs, own_rel, has_nan, ref_abs, scale = values
-    return _budget_check(item, own_abs, own_rel, has_nan != 0, ref_abs, scale)
+    own_abs, own_rel, ref_abs, scale, *nans = values
+    return _budget_check(item, own_abs, own_rel, ref_abs, scale, _nan_sides(nans))
+
+
+def _nan_sides(flags: Sequence[object]) -> tuple[str, ...]:
+    """The names of the sides (actual result, reference, golden) whose flag is set."""
+    return tuple(
+        side for side, flag in zip(("actual result", "reference", "golden"), flags) if flag
+    )
 
 
 def _check_alone(item: Item) -> ItemCheck:
@@ -312,9 +328,11 @@ def _check_alone(item: Item) -> ItemCheck:
         return _tolerance_check(item, stats.max_abs, stats.max_rel, stats.used, passed=None)
     own = _stats(actual, item.golden)
     ref = _stats(item.reference, item.golden)
-    golden = item.golden
-    scale = float(golden.detach().abs().max()) if golden.numel() else 0.0
-    return _budget_check(item, own.max_abs, own.max_rel, own.has_nan, ref.max_abs, scale)
+    golden = item.golden.detach()
+    finite = golden[golden.isfinite()].abs()
+    scale = float(finite.max()) if finite.numel() else 0.0
+    nans = [bool(t.detach().isnan().any()) for t in (actual, item.reference, golden)]
+    return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale, _nan_sides(nans))
 
 
 def _tolerance_check(
@@ -352,12 +370,13 @@ def _budget_check(
     item: BudgetItem,
     own_abs: float,
     own_rel: float,
-    own_has_nan: bool,
     ref_abs: float,
     scale: float,
+    nan_sides: tuple[str, ...],
 ) -> ItemCheck:
     """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
-    elements); the worst element's index is looked up for the message of a failure."""
+    elements; ``scale``, the golden's greatest finite magnitude, sets the floor) and no side
+    holds NaN; the worst element's index is looked up for the message of a failure."""
     actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
     assert actual is not None
     dtype = less_precise(actual.dtype, reference.dtype)
@@ -365,7 +384,7 @@ def _budget_check(
     floor = FLOOR_ULPS.get(dtype_name(dtype), 1) * epsilon(dtype) * scale
     allowed = budget * ref_abs + floor
     used = own_abs / allowed if allowed > 0 else (0.0 if own_abs == 0 else float("inf"))
-    passed = not own_has_nan and own_abs <= allowed
+    passed = not nan_sides and own_abs <= allowed
     ratio = own_abs / ref_abs if ref_abs > 0 else float("inf")
     criterion = (
         f"budget {budget:g}x the {dtype_name(reference.dtype)} reference's error vs the "
@@ -380,7 +399,7 @@ def _budget_check(
             f"(greatest relative {own_rel:.3g}), {ratio_text} the "
             f"{dtype_name(reference.dtype)} reference's own error {ref_abs:.3g}; "
             f"allowed: budget {budget:g} x {ref_abs:.3g} + floor {floor:.3g} "
-            f"= {allowed:.3g}" + (" (the actual result has NaN)" if own_has_nan else "")
+            f"= {allowed:.3g}" + "".join(f" (the {side} has NaN)" for side in nan_sides)
         )
     return ItemCheck(
         item.label, dtype_name(dtype), own_abs, own_rel, criterion, 1 - used, passed, detail
@@ -392,7 +411,6 @@ class _Stats:
     max_abs: float
     max_rel: float
     worst_index: tuple[int, ...]
-    has_nan: bool
     used: float  # greatest share of the tolerance used by one element (0 without one)
 
 
@@ -404,21 +422,18 @@ def _stats(
     failure messages and the items the batched pass leaves out."""
     import torch
 
-    a = actual.detach().to(device=expected.device, dtype=torch.float64)
-    e = expected.detach().to(torch.float64)
-    diff = (a - e).abs()
-    has_nan = bool(diff.isnan().any())
+    diff, magnitude = _difference(actual, expected)
     if diff.numel() == 0:
-        return _Stats(0.0, 0.0, (), has_nan, 0.0)
+        return _Stats(0.0, 0.0, (), 0.0)
     zero = torch.zeros_like(diff)
-    relative = torch.where(diff == 0, zero, diff / e.abs())
+    relative = torch.where(diff == 0, zero, diff / magnitude)
     used = 0.0
     if tolerance is not None:
-        allowed = tolerance.atol + tolerance.rtol * e.abs()
+        allowed = tolerance.atol + tolerance.rtol * magnitude
         used = float(torch.where(diff == 0, zero, diff / allowed).max())
     flat = int(diff.nan_to_num(nan=float("inf")).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-    return _Stats(float(diff.max()), float(relative.max()), index, has_nan, used)
+    return _Stats(float(diff.max()), float(relative.max()), index, used)
 
 
 def _shape_problem(label: str, actual: object, expected: torch.Tensor) -> ItemCheck | None:

@@ -188,3 +188,68 @@ def test_module(grad_reference):
     )
     result = pytester.runpytest()
     result.assert_outcomes(passed=1)
+
+
+INFINITIES = """
+import math
+
+import pytest
+import torch
+
+
+def log_loss(x):
+    return torch.log(x).sum()
+
+
+def kernel(x):
+    # The same loss in float32 math: -inf where x is 0, and an infinite gradient there.
+    x32 = x.detach().float().requires_grad_()
+    loss = torch.log(x32).sum()
+    loss.backward()
+    return loss, x32.grad.to(x.dtype)
+
+
+def inputs(device):
+    x = torch.rand(40, device=device, dtype=torch.bfloat16) + 0.5
+    x[7] = 0.0
+    return x
+"""
+
+
+def test_infinities_matching_the_golden_are_exact(pytester: pytest.Pytester) -> None:
+    # log(0) is -inf in the kernel, the reference and the float64 golden, its gradient +inf:
+    # matching infinities are exact (as torch.testing has them), not an inf - inf = NaN.
+    pytester.makepyfile(
+        INFINITIES
+        + """
+def test_matching(grad_reference, gradref_device):
+    x = inputs(gradref_device)
+    ref = grad_reference(log_loss, x, golden=torch.float64)
+    value, grad = kernel(x)
+    assert value == -math.inf and grad[7] == math.inf
+    ref.assert_close(value, grad, budget=2)
+
+
+def test_wrong_sign_fails(grad_reference, gradref_device):
+    x = inputs(gradref_device)
+    ref = grad_reference(log_loss, x, golden=torch.float64)
+    value, grad = kernel(x)
+    grad[7] = -math.inf
+    with pytest.raises(AssertionError, match=r"error vs the float64 golden: inf at index \\(7,\\)"):
+        ref.assert_close(value, grad, budget=2)
+
+
+def test_nan_names_its_side(grad_reference, gradref_device):
+    x = inputs(gradref_device)
+    ref = grad_reference(log_loss, x, golden=torch.float64)
+    value, grad = kernel(x)
+    grad[3] = math.nan
+    with pytest.raises(AssertionError) as failure:
+        ref.assert_close(value, grad, budget=2)
+    message = str(failure.value)
+    assert "(the actual result has NaN)" in message
+    assert "reference has NaN" not in message and "golden has NaN" not in message
+    assert "floor inf" not in message and "x nan" not in message
+"""
+    )
+    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=3)
