@@ -98,7 +98,11 @@ def _diff(args: argparse.Namespace) -> int:
         return EXIT_UNUSABLE
     sys.stdout.write(render(result, args.format, args.top))
     if args.plot:
-        plot(result, args.plot)
+        try:
+            plot(result, args.plot)
+        except OSError as error:
+            print(f"pytest-gradref diff: error: cannot write the plot: {error}", file=sys.stderr)
+            return EXIT_UNUSABLE
         print(f"plot written to {args.plot}", file=sys.stderr)
     if result.regressions or (args.fail_on_vanished and result.only_in_base):
         return EXIT_REGRESSION

@@ -90,7 +90,8 @@ def load_report(path: str | Path) -> Report:
     for record in document["tests"]:
         if not isinstance(record, dict) or not isinstance(record.get("nodeid"), str):
             raise UnusableInput(f"{name}: a test record without a node id")
-        if not isinstance(record.get("items"), list):
+        items = record.get("items")
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise UnusableInput(f"{name}: {record['nodeid']}: no list of items")
         tests[record["nodeid"]] = record
     return Report(

@@ -251,6 +251,10 @@ def test_mismatched_strategies_are_refused_unless_allowed(
             "base.json: it has no format_version (written before reports had one)",
         ),
         ({**BASE, "tests": [{"items": []}]}, "base.json: a test record without a node id"),
+        (
+            {**BASE, "tests": [{"nodeid": "t.py::test_a", "items": [1]}]},
+            "base.json: t.py::test_a: no list of items",
+        ),
     ],
 )
 def test_unusable_input_exits_2_and_says_why(
@@ -366,6 +370,17 @@ def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert status == 1
     assert "plot written to" in err
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_that_cannot_be_written_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    base, new = _pair(tmp_path, BASE)
+    status, out, err = _diff(capsys, base, new, "--plot", tmp_path / "no" / "such" / "p.png")
+    assert status == 2
+    assert "0 regressions" in out, "the comparison is shown before the plot is written"
+    assert "pytest-gradref diff: error: cannot write the plot: " in err
 
 
 def test_format_versions_agree() -> None:
