@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from pytest_gradref.settings import Setup
 
 TIGHTEST_SHOWN = 10
+# The report's format version: raise it when a field changes meaning or disappears, so that
+# ``pytest-gradref diff`` refuses a report it would misread.
+FORMAT_VERSION = 1
 
 
 def _finite(value: Any) -> Any:
@@ -70,9 +73,28 @@ class ReportCollector:
         import json
 
         tests = sorted(self.records, key=lambda r: r["nodeid"])
-        document = {"base_seed": self.base_seed, "tests": tests}
+        document = {**self.run_fields(session.config), "tests": tests}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(document, indent=2) + "\n")
+
+    def run_fields(self, config: pytest.Config) -> dict[str, Any]:
+        """What a comparison of two reports needs to know about the run as a whole."""
+        import sys
+
+        from pytest_gradref.state import gradref_state
+
+        setup = gradref_state(config).resolved
+        torch = sys.modules.get("torch")  # loaded whenever a test recorded something
+        return {
+            "format_version": FORMAT_VERSION,
+            "base_seed": self.base_seed,
+            "torch": str(torch.__version__) if torch is not None else None,
+            "device": setup.label if setup is not None else None,
+            "backend": setup.backend.name if setup is not None else None,
+            "strategy": setup.effective_strategy() if setup is not None else None,
+            # Dtypes whose golden references the backend computes on the CPU.
+            "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
+        }
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
         lines = self.summary_lines(verbose=config.get_verbosity() > 0)

@@ -6,6 +6,9 @@ import json
 from collections.abc import Callable
 
 import pytest
+import torch
+
+from pytest_gradref.report import FORMAT_VERSION
 
 CASES = """
 import pytest
@@ -47,6 +50,12 @@ def _report(pytester: pytest.Pytester, *args: str) -> dict:
 def test_report_content(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(CASES)
     report = _report(pytester)
+    # What a comparison of two reports (pytest-gradref diff) needs about the run.
+    assert report["format_version"] == FORMAT_VERSION
+    assert report["base_seed"] == 0
+    assert report["torch"] == torch.__version__
+    assert (report["device"], report["backend"], report["strategy"]) == ("cpu", "cpu", "autograd")
+    assert report["golden_on_cpu"] == []
     tests = {record["nodeid"]: record for record in report["tests"]}
     assert sorted(tests) == [
         "test_report_content.py::test_close[3]",

@@ -1,0 +1,119 @@
+"""The ``pytest-gradref`` command (also ``python -m pytest_gradref``).
+
+``pytest-gradref diff BASE.json NEW.json`` compares two precision reports. Exit status: 0 no
+regression, 1 a regression, 2 unusable input (the message says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_OK = 0
+EXIT_REGRESSION = 1
+EXIT_UNUSABLE = 2
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_THRESHOLD
+    from pytest_gradref.diff_output import FORMATS
+
+    parser = argparse.ArgumentParser(
+        prog="pytest-gradref", description="Tools for pytest-gradref precision reports."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    diff = commands.add_parser(
+        "diff",
+        help="compare two --gradref-report files item by item",
+        description=(
+            "Compare two --gradref-report files item by item, worst first. Exit status: 0 no "
+            "regression, 1 a regression, 2 unusable input."
+        ),
+    )
+    diff.add_argument("base", metavar="BASE.json", help="the report to compare against")
+    diff.add_argument("new", metavar="NEW.json", help="the report under test")
+    diff.add_argument(
+        "--threshold",
+        type=_positive,
+        default=DEFAULT_THRESHOLD,
+        help=f"an item whose error grew by more than this factor regresses "
+        f"(default {DEFAULT_THRESHOLD:g})",
+    )
+    diff.add_argument(
+        "--floor",
+        type=_positive,
+        default=DEFAULT_FLOOR,
+        help=f"errors below this absolute value count as this value, so that exact zeros do "
+        f"not give infinite ratios (default {DEFAULT_FLOOR:g})",
+    )
+    diff.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="compare even where the base seeds or the tests' strategies differ",
+    )
+    diff.add_argument("--format", choices=FORMATS, default="text", help="output format")
+    diff.add_argument(
+        "--top",
+        type=int,
+        default=20,
+        help="items shown in text and markdown: every regression, then the worst others up "
+        "to this many rows (0: all; default 20)",
+    )
+    diff.add_argument(
+        "--fail-on-vanished",
+        action="store_true",
+        help="exit 1 also when a test or item of the base is missing from the new report",
+    )
+    diff.add_argument("--plot", metavar="PATH", help="write a PNG of the errors (matplotlib)")
+    return parser
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from pytest_gradref.diff import UnusableInput, compare, load_report
+    from pytest_gradref.diff_output import PlotUnavailable, check_plotting, plot, render
+
+    try:
+        if args.plot:
+            check_plotting()  # before any work
+        result = compare(
+            load_report(args.base),
+            load_report(args.new),
+            threshold=args.threshold,
+            floor=args.floor,
+            allow_mismatch=args.allow_mismatch,
+        )
+    except (UnusableInput, PlotUnavailable) as error:
+        print(f"pytest-gradref diff: error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    sys.stdout.write(render(result, args.format, args.top))
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except OSError as error:
+            print(f"pytest-gradref diff: error: cannot write the plot: {error}", file=sys.stderr)
+            return EXIT_UNUSABLE
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    if result.regressions or (args.fail_on_vanished and result.only_in_base):
+        return EXIT_REGRESSION
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse's own errors exit with 2)."""
+    args = _parser().parse_args(argv)
+    return _diff(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

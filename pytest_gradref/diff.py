@@ -1,0 +1,252 @@
+"""Comparing two precision reports (``--gradref-report``) item by item.
+
+Records are matched by node id, items within a test by label (the n-th item of a label with
+the n-th). Each matched item's error is its greatest absolute error (``max_abs``: against the
+reference, or against the golden under a budget); an item is a regression when that error grew
+by more than the threshold, both errors being raised to the floor first so that exact zeros do
+not make infinite ratios, when it became NaN, or when it passed before and fails now.
+
+This module imports neither torch nor pytest: ``pytest-gradref diff`` starts fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+# Kept equal to pytest_gradref.report.FORMAT_VERSION (a test checks it): importing report.py
+# would import pytest.
+FORMAT_VERSIONS = frozenset({1})
+DEFAULT_THRESHOLD = 2.0
+# Below float32's spacing at 1 (1.2e-7) by far, above float64's rounding of unit-scale values
+# (1.1e-16) with room for accumulation: float64 noise is not called a regression.
+DEFAULT_FLOOR = 1e-12
+
+
+class UnusableInput(Exception):
+    """The reports cannot be compared; the message says why."""
+
+
+@dataclass(frozen=True)
+class Report:
+    """One report, read and checked."""
+
+    path: str
+    format_version: int
+    base_seed: int | None
+    torch: str | None
+    device: str | None
+    backend: str | None
+    strategy: str | None
+    tests: dict[str, dict[str, Any]]
+
+    def describe(self) -> str:
+        return (
+            f"device={self.device} backend={self.backend} strategy={self.strategy} "
+            f"seed={self.base_seed} torch={self.torch} "
+            f"({len(self.tests)} {'test' if len(self.tests) == 1 else 'tests'})"
+        )
+
+
+def _number(value: Any) -> float:
+    """An error or headroom as the report holds it: a number, or "inf" / "nan" as a string."""
+    if isinstance(value, bool):
+        return math.nan
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return math.nan
+    return math.nan
+
+
+def load_report(path: str | Path) -> Report:
+    """Read and check a report; UnusableInput says what is wrong with it."""
+    name = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise UnusableInput(f"{name}: cannot read it: {error.strerror or error}") from None
+    try:
+        document = json.loads(text)
+    except ValueError as error:
+        raise UnusableInput(f"{name}: not JSON: {error}") from None
+    if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
+        raise UnusableInput(f"{name}: not a pytest-gradref report (no list of tests)")
+    version = document.get("format_version")
+    if version not in FORMAT_VERSIONS:
+        known = ", ".join(str(v) for v in sorted(FORMAT_VERSIONS))
+        if version is None:
+            why = "it has no format_version (written before reports had one); write it again"
+        else:
+            why = f"unknown report format version {version!r}"
+        raise UnusableInput(f"{name}: {why}; this pytest-gradref reads version {known}")
+    tests: dict[str, dict[str, Any]] = {}
+    for record in document["tests"]:
+        if not isinstance(record, dict) or not isinstance(record.get("nodeid"), str):
+            raise UnusableInput(f"{name}: a test record without a node id")
+        items = record.get("items")
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+            raise UnusableInput(f"{name}: {record['nodeid']}: no list of items")
+        tests[record["nodeid"]] = record
+    return Report(
+        path=name,
+        format_version=version,
+        base_seed=document.get("base_seed"),
+        torch=document.get("torch"),
+        device=document.get("device"),
+        backend=document.get("backend"),
+        strategy=document.get("strategy"),
+        tests=tests,
+    )
+
+
+@dataclass(frozen=True)
+class ItemDiff:
+    """One item in both reports."""
+
+    nodeid: str
+    label: str
+    dtype: str
+    before: float
+    after: float
+    ratio: float  # after / before, both raised to the floor; NaN where either is NaN
+    headroom_before: float
+    headroom_after: float
+    passed_before: bool
+    passed_after: bool
+    regression: str  # why it is one ("" if it is not)
+
+    @property
+    def headroom_change(self) -> float:
+        return self.headroom_after - self.headroom_before
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A test, or an item of a test both reports have, that only one report holds."""
+
+    nodeid: str
+    label: str | None = None  # None: the whole test
+
+
+@dataclass
+class Diff:
+    """The comparison of two reports."""
+
+    base: Report
+    new: Report
+    threshold: float
+    floor: float
+    items: list[ItemDiff] = field(default_factory=list)
+    only_in_base: list[Missing] = field(default_factory=list)
+    only_in_new: list[Missing] = field(default_factory=list)
+    # Differences of set-up that were compared anyway (--allow-mismatch).
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def regressions(self) -> list[ItemDiff]:
+        return [item for item in self.items if item.regression]
+
+
+def _labelled(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Items by label; the n-th repeat of a label (several assert_close calls) gets " #n"."""
+    seen: dict[str, int] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        label = str(item.get("label"))
+        count = seen[label] = seen.get(label, 0) + 1
+        out[label if count == 1 else f"{label} #{count}"] = item
+    return out
+
+
+def mismatches(base: Report, new: Report) -> list[str]:
+    """Differences of set-up that make the errors incomparable: base seed, strategy per test."""
+    found = []
+    if base.base_seed != new.base_seed:
+        found.append(f"base seeds differ: {base.base_seed} in base, {new.base_seed} in new")
+    differing = [
+        nodeid
+        for nodeid in sorted(base.tests.keys() & new.tests.keys())
+        if base.tests[nodeid].get("strategies") != new.tests[nodeid].get("strategies")
+    ]
+    if differing:
+        first = differing[0]
+        found.append(
+            f"strategies differ in {len(differing)} tests, e.g. {first}: "
+            f"{base.tests[first].get('strategies')} in base, "
+            f"{new.tests[first].get('strategies')} in new"
+        )
+    return found
+
+
+def _verdict(item: ItemDiff, threshold: float) -> str:
+    if math.isnan(item.after) and not math.isnan(item.before):
+        return "error is now NaN"
+    if item.passed_before and not item.passed_after:
+        return "now fails"
+    if item.ratio > threshold:
+        return f"error grew {item.ratio:.3g}x"
+    return ""
+
+
+def compare(
+    base: Report,
+    new: Report,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    floor: float = DEFAULT_FLOOR,
+    allow_mismatch: bool = False,
+) -> Diff:
+    """Match the two reports' items and judge each; UnusableInput where the set-ups differ
+    (unless allow_mismatch)."""
+    found = mismatches(base, new)
+    if found and not allow_mismatch:
+        raise UnusableInput(
+            "; ".join(found) + ": the errors are not comparable (--allow-mismatch compares anyway)"
+        )
+    diff = Diff(base, new, threshold, floor, mismatches=found)
+    for nodeid in sorted(base.tests.keys() - new.tests.keys()):
+        diff.only_in_base.append(Missing(nodeid))
+    for nodeid in sorted(new.tests.keys() - base.tests.keys()):
+        diff.only_in_new.append(Missing(nodeid))
+    for nodeid in sorted(base.tests.keys() & new.tests.keys()):
+        before_items = _labelled(base.tests[nodeid]["items"])
+        after_items = _labelled(new.tests[nodeid]["items"])
+        diff.only_in_base += [Missing(nodeid, k) for k in before_items if k not in after_items]
+        diff.only_in_new += [Missing(nodeid, k) for k in after_items if k not in before_items]
+        for label, old in before_items.items():
+            if label not in after_items:
+                continue
+            now = after_items[label]
+            before, after = _number(old.get("max_abs")), _number(now.get("max_abs"))
+            ratio = max(after, floor) / max(before, floor)
+            if math.isnan(before) or math.isnan(after):
+                ratio = math.nan
+            item = ItemDiff(
+                nodeid=nodeid,
+                label=label,
+                dtype=str(now.get("dtype", old.get("dtype", "-"))),
+                before=before,
+                after=after,
+                ratio=ratio,
+                headroom_before=_number(old.get("headroom")),
+                headroom_after=_number(now.get("headroom")),
+                passed_before=old.get("passed") is True,
+                passed_after=now.get("passed") is True,
+                regression="",
+            )
+            diff.items.append(replace(item, regression=_verdict(item, threshold)))
+    diff.items.sort(key=_worst_first)
+    return diff
+
+
+def _worst_first(item: ItemDiff) -> tuple[int, float, str, str]:
+    """Regressions first, then by ratio, greatest first (NaN ratios last), then by name."""
+    ratio = -math.inf if math.isnan(item.ratio) else item.ratio
+    return (0 if item.regression else 1, -ratio, item.nodeid, item.label)

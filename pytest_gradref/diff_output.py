@@ -1,0 +1,233 @@
+"""How a report comparison is shown: text, Markdown (a pull-request comment), JSON, a plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pytest_gradref.diff import Diff, ItemDiff, Missing
+
+FORMATS = ("text", "markdown", "json")
+
+
+class PlotUnavailable(Exception):
+    """--plot was asked for where matplotlib is not installed."""
+
+
+def _num(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.3g}"
+
+
+def _ratio(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.3g}x"
+
+
+def _change(value: float) -> str:
+    if math.isnan(value) or math.isinf(value):
+        return "n/a"
+    return f"{value:+.1%}"
+
+
+def _shown(diff: Diff, top: int) -> list[ItemDiff]:
+    """Every regression, then the worst others up to ``top`` rows in all (0: every item)."""
+    if top <= 0:
+        return diff.items
+    return diff.items[: max(top, len(diff.regressions))]
+
+
+def _missing(entry: Missing) -> str:
+    return entry.nodeid if entry.label is None else f"{entry.nodeid}: {entry.label}"
+
+
+def _verdict_line(diff: Diff) -> str:
+    count = len(diff.regressions)
+    noun = "regression" if count == 1 else "regressions"
+    return (
+        f"{count} {noun} in {len(diff.items)} compared items "
+        f"(threshold {diff.threshold:g}x, floor {diff.floor:g})"
+    )
+
+
+def render_text(diff: Diff, top: int = 20) -> str:
+    lines = [
+        f"base: {diff.base.path}: {diff.base.describe()}",
+        f"new:  {diff.new.path}: {diff.new.describe()}",
+    ]
+    lines += [f"compared despite a mismatch: {m}" for m in diff.mismatches]
+    lines.append(_verdict_line(diff))
+    shown = _shown(diff, top)
+    if shown:
+        header = f"{'ratio':>9}  {'before':>9}  {'after':>9}  {'headroom':>9}  {'dtype':>8}  item"
+        lines.append(header)
+    for item in shown:
+        mark = f"  <- {item.regression}" if item.regression else ""
+        lines.append(
+            f"{_ratio(item.ratio):>9}  {_num(item.before):>9}  {_num(item.after):>9}  "
+            f"{_change(item.headroom_change):>9}  {item.dtype:>8}  "
+            f"{item.nodeid}: {item.label}{mark}"
+        )
+    if len(shown) < len(diff.items):
+        lines.append(f"... {len(diff.items) - len(shown)} more items (--top 0 shows all)")
+    for title, entries in (
+        ("only in base (coverage that vanished)", diff.only_in_base),
+        ("only in new", diff.only_in_new),
+    ):
+        if entries:
+            lines.append(f"{title}: {len(entries)}")
+            lines += [f"  {_missing(entry)}" for entry in entries]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def render_markdown(diff: Diff, top: int = 20) -> str:
+    status = "**precision regression**" if diff.regressions else "no precision regression"
+    lines = [
+        f"### gradref diff: {status}",
+        "",
+        f"{_verdict_line(diff)}.",
+        "",
+        f"- base `{diff.base.path}`: {diff.base.describe()}",
+        f"- new `{diff.new.path}`: {diff.new.describe()}",
+    ]
+    lines += [f"- compared despite a mismatch: {m}" for m in diff.mismatches]
+    shown = _shown(diff, top)
+    if shown:
+        lines += [
+            "",
+            "| | ratio | before | after | headroom change | dtype | test | item |",
+            "|---|---:|---:|---:|---:|---|---|---|",
+        ]
+    for item in shown:
+        mark = f":x: {item.regression}" if item.regression else ""
+        lines.append(
+            f"| {mark} | {_ratio(item.ratio)} | {_num(item.before)} | {_num(item.after)} | "
+            f"{_change(item.headroom_change)} | {item.dtype} | `{_cell(item.nodeid)}` | "
+            f"{_cell(item.label)} |"
+        )
+    if len(shown) < len(diff.items):
+        lines += ["", f"{len(diff.items) - len(shown)} more items not shown."]
+    for title, entries in (
+        ("Only in base (coverage that vanished)", diff.only_in_base),
+        ("Only in new", diff.only_in_new),
+    ):
+        if entries:
+            lines += ["", f"{title}: {len(entries)}", ""]
+            lines += [f"- `{_cell(_missing(entry))}`" for entry in entries]
+    return "\n".join(lines) + "\n"
+
+
+def _json_number(value: float) -> Any:
+    return value if math.isfinite(value) else str(value)
+
+
+def render_json(diff: Diff) -> str:
+    def setup(report: Any) -> dict[str, Any]:
+        return {
+            "path": report.path,
+            "format_version": report.format_version,
+            "base_seed": report.base_seed,
+            "torch": report.torch,
+            "device": report.device,
+            "backend": report.backend,
+            "strategy": report.strategy,
+        }
+
+    def missing(entries: list[Missing]) -> dict[str, Any]:
+        return {
+            "tests": [e.nodeid for e in entries if e.label is None],
+            "items": [{"nodeid": e.nodeid, "label": e.label} for e in entries if e.label],
+        }
+
+    document = {
+        "base": setup(diff.base),
+        "new": setup(diff.new),
+        "threshold": diff.threshold,
+        "floor": diff.floor,
+        "mismatches": diff.mismatches,
+        "regressions": len(diff.regressions),
+        "items": [
+            {
+                "nodeid": item.nodeid,
+                "label": item.label,
+                "dtype": item.dtype,
+                "before": _json_number(item.before),
+                "after": _json_number(item.after),
+                "ratio": _json_number(item.ratio),
+                "headroom_before": _json_number(item.headroom_before),
+                "headroom_after": _json_number(item.headroom_after),
+                "passed_before": item.passed_before,
+                "passed_after": item.passed_after,
+                "regression": item.regression or None,
+            }
+            for item in diff.items
+        ],
+        "only_in_base": missing(diff.only_in_base),
+        "only_in_new": missing(diff.only_in_new),
+    }
+    return json.dumps(document, indent=2) + "\n"
+
+
+def render(diff: Diff, fmt: str, top: int = 20) -> str:
+    if fmt == "markdown":
+        return render_markdown(diff, top)
+    if fmt == "json":
+        return render_json(diff)
+    return render_text(diff, top)
+
+
+def check_plotting() -> None:
+    """Raise PlotUnavailable, with the fix, where matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as error:
+        raise PlotUnavailable(
+            f"--plot needs matplotlib, which cannot be imported ({error}); install it with "
+            "pip install 'pytest-gradref[plot]' (or pip install matplotlib)"
+        ) from None
+
+
+def plot(diff: Diff, path: str) -> None:
+    """Each item's error before against after, log axes, the diagonal and the threshold line;
+    errors below the floor are drawn at the floor, regressions in red."""
+    check_plotting()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    points = [i for i in diff.items if not (math.isnan(i.before) or math.isnan(i.after))]
+    figure = Figure(figsize=(6, 6))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for regression, colour, name in ((False, "tab:blue", "items"), (True, "tab:red", "regression")):
+        chosen = [i for i in points if bool(i.regression) == regression]
+        if chosen:
+            axes.scatter(
+                [max(i.before, diff.floor) for i in chosen],
+                [max(i.after, diff.floor) for i in chosen],
+                s=14,
+                color=colour,
+                label=f"{name} ({len(chosen)})",
+            )
+    values = [max(v, diff.floor) for i in points for v in (i.before, i.after)] or [diff.floor]
+    low, high = min(values) / 2, max(values) * 2 * diff.threshold
+    axes.plot([low, high], [low, high], color="grey", linewidth=0.8, label="unchanged")
+    axes.plot(
+        [low, high / diff.threshold],
+        [low * diff.threshold, high],
+        color="tab:red",
+        linestyle="--",
+        linewidth=0.8,
+        label=f"threshold {diff.threshold:g}x",
+    )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlim(low, high)
+    axes.set_ylim(low, high)
+    axes.set_xlabel(f"error in base ({diff.base.path})")
+    axes.set_ylabel(f"error in new ({diff.new.path})")
+    axes.set_title(f"gradref diff: {len(diff.regressions)} of {len(diff.items)} items regressed")
+    axes.legend(loc="upper left")
+    figure.savefig(path, dpi=100)

@@ -1,0 +1,420 @@
+"""``pytest-gradref diff``: comparing two precision reports, its exit statuses and outputs."""
+
+from __future__ import annotations
+
+import builtins
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gradref import diff as diff_module
+from pytest_gradref.__main__ import main
+from pytest_gradref.report import FORMAT_VERSION
+
+# A kernel whose gradient is off by a relative error that the environment sets: the test
+# passes at 1e-10 and at 4e-10 (float64's default rtol is 1e-7), but its error grows fourfold.
+SKEWED_KERNEL = """
+import os
+
+import pytest
+import torch
+
+
+def loss(x, w):
+    return torch.tanh(x @ w).square().sum()
+
+
+def kernel(x, w):
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = loss(xx, ww)
+    out.backward()
+    skew = float(os.environ.get("KERNEL_SKEW", "0"))
+    return out, xx.grad * (1 + skew), ww.grad
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_kernel(grad_reference, n):
+    x = torch.randn(n, 4, dtype=torch.float64)
+    w = torch.randn(4, 2, dtype=torch.float64)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    value, gx, gw = kernel(x, w)
+    ref.assert_close(value, (gx, gw))
+"""
+
+
+def _run_suite(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, skew: str
+) -> Path:
+    monkeypatch.setenv("KERNEL_SKEW", skew)
+    pytester.runpytest("--gradref-device=cpu", f"--gradref-report={name}").assert_outcomes(passed=2)
+    return pytester.path / name
+
+
+def _diff(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    status = main(["diff", *map(str, args)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_injected_fourfold_error_growth_is_flagged_and_an_unchanged_kernel_is_not(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytester.makepyfile(test_suite=SKEWED_KERNEL)
+    base = _run_suite(pytester, monkeypatch, "base.json", "1e-10")
+    same = _run_suite(pytester, monkeypatch, "same.json", "1e-10")
+    worse = _run_suite(pytester, monkeypatch, "worse.json", "4e-10")
+    capsys.readouterr()  # the runs' own output
+
+    status, out, _ = _diff(capsys, base, same)
+    assert status == 0
+    assert "0 regressions in 6 compared items (threshold 2x, floor 1e-12)" in out
+    assert "<-" not in out
+
+    status, out, _ = _diff(capsys, base, worse)
+    assert status == 1
+    assert "2 regressions in 6 compared items" in out
+    lines = out.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.lstrip().startswith("ratio"))) + 1 :]
+    # Worst first: the two skewed gradients, each about 4x, then the unchanged items.
+    for row in table[:2]:
+        assert "gradient of argument 0 (x)  <- error grew 4" in row
+        assert float(row.split()[0].rstrip("x")) == pytest.approx(4, rel=0.05)
+    assert all("<-" not in row for row in table[2:])
+    # A threshold above the growth lets it pass.
+    assert _diff(capsys, base, worse, "--threshold", "5")[0] == 0
+
+
+def _item(label: str, max_abs: Any, headroom: Any = 0.5, passed: bool = True) -> dict[str, Any]:
+    return {
+        "label": label,
+        "dtype": "float32",
+        "max_abs": max_abs,
+        "max_rel": max_abs,
+        "criterion": "rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32",
+        "headroom": headroom,
+        "passed": passed,
+    }
+
+
+def _test(nodeid: str, *items: dict[str, Any], strategy: str = "autograd") -> dict[str, Any]:
+    return {
+        "nodeid": nodeid,
+        "device": "cpu",
+        "backend": "cpu",
+        "strategies": [strategy],
+        "seed": 1,
+        "items": list(items),
+        "crosscheck": [],
+        "outcome": "passed",
+    }
+
+
+BASE: dict[str, Any] = {
+    "format_version": FORMAT_VERSION,
+    "base_seed": 0,
+    "torch": "2.13.0+cpu",
+    "device": "cpu",
+    "backend": "cpu",
+    "strategy": "autograd",
+    "golden_on_cpu": [],
+    "tests": [
+        _test("t.py::test_a", _item("value", 1e-7), _item("gradient of argument 0 (x)", 2e-6)),
+        _test("t.py::test_b", _item("value", 0.0, 1.0), _item("value", 3e-7)),
+        _test("t.py::test_gone", _item("value", 1e-7)),
+    ],
+}
+
+
+def _write(path: Path, document: Any) -> Path:
+    path.write_text(json.dumps(document))
+    return path
+
+
+def _pair(tmp_path: Path, new: dict[str, Any]) -> tuple[Path, Path]:
+    return _write(tmp_path / "base.json", BASE), _write(tmp_path / "new.json", new)
+
+
+def _changed(**tests: dict[str, Any]) -> dict[str, Any]:
+    new = copy.deepcopy(BASE)
+    new["tests"] = [tests.get(t["nodeid"], t) for t in new["tests"] if t["nodeid"] in tests]
+    return new
+
+
+def test_vanished_tests_and_items_are_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new = copy.deepcopy(BASE)
+    new["tests"] = [
+        _test("t.py::test_a", _item("value", 1e-7)),  # its gradient item vanished
+        BASE["tests"][1],
+        _test("t.py::test_new", _item("value", 1e-7)),
+    ]
+    base, new_path = _pair(tmp_path, new)
+    status, out, _ = _diff(capsys, base, new_path)
+    assert status == 0, "vanished coverage is listed; it fails only with --fail-on-vanished"
+    assert "only in base (coverage that vanished): 2\n" in out
+    assert "  t.py::test_gone\n" in out
+    assert "  t.py::test_a: gradient of argument 0 (x)\n" in out
+    assert "only in new: 1\n  t.py::test_new\n" in out
+    assert _diff(capsys, base, new_path, "--fail-on-vanished")[0] == 1
+    document = json.loads(_diff(capsys, base, new_path, "--format=json")[1])
+    assert document["only_in_base"] == {
+        "tests": ["t.py::test_gone"],
+        "items": [{"nodeid": "t.py::test_a", "label": "gradient of argument 0 (x)"}],
+    }
+    assert document["only_in_new"]["tests"] == ["t.py::test_new"]
+
+
+def test_repeated_labels_are_matched_in_order(tmp_path: Path) -> None:
+    new = copy.deepcopy(BASE)
+    new["tests"][1]["items"][1]["max_abs"] = 3e-6
+    base, new_path = _pair(tmp_path, new)
+    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    assert [(i.nodeid, i.label) for i in result.regressions] == [("t.py::test_b", "value #2")]
+
+
+def test_floor_keeps_exact_zeros_from_giving_infinite_ratios(tmp_path: Path) -> None:
+    new = copy.deepcopy(BASE)
+    new["tests"][1]["items"][0]["max_abs"] = 1e-13  # was exactly 0
+    base, new_path = _pair(tmp_path, new)
+    reports = diff_module.load_report(base), diff_module.load_report(new_path)
+    result = diff_module.compare(*reports)
+    item = next(i for i in result.items if i.label == "value" and i.nodeid.endswith("test_b"))
+    assert item.ratio == 1.0
+    assert not result.regressions
+    # Above the floor, zero to 1e-13 is a growth of 1e-13 / 1e-15 = 100x.
+    lower = diff_module.compare(*reports, floor=1e-15)
+    assert [i.label for i in lower.regressions] == ["value"]
+    assert lower.regressions[0].ratio == pytest.approx(100)
+
+
+def test_nan_error_and_a_newly_failing_item_are_regressions(tmp_path: Path) -> None:
+    new = copy.deepcopy(BASE)
+    new["tests"][0]["items"][0]["max_abs"] = "nan"
+    new["tests"][0]["items"][1].update(headroom=-0.2, passed=False)  # same error, now fails
+    base, new_path = _pair(tmp_path, new)
+    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    assert {i.label: i.regression for i in result.regressions} == {
+        "value": "error is now NaN",
+        "gradient of argument 0 (x)": "now fails",
+    }
+
+
+def test_mismatched_seeds_are_refused_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new = copy.deepcopy(BASE)
+    new["base_seed"] = 7
+    base, new_path = _pair(tmp_path, new)
+    status, out, err = _diff(capsys, base, new_path)
+    assert status == 2
+    assert out == ""
+    assert "base seeds differ: 0 in base, 7 in new" in err
+    assert "--allow-mismatch compares anyway" in err
+    status, out, _ = _diff(capsys, base, new_path, "--allow-mismatch")
+    assert status == 0
+    assert "compared despite a mismatch: base seeds differ: 0 in base, 7 in new" in out
+
+
+def test_mismatched_strategies_are_refused_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new = copy.deepcopy(BASE)
+    new["tests"][0]["strategies"] = ["grad_and_value"]
+    base, new_path = _pair(tmp_path, new)
+    status, _, err = _diff(capsys, base, new_path)
+    assert status == 2
+    assert (
+        "strategies differ in 1 tests, e.g. t.py::test_a: ['autograd'] in base, "
+        "['grad_and_value'] in new" in err
+    )
+    assert _diff(capsys, base, new_path, "--allow-mismatch")[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "base.json: cannot read it: No such file or directory"),
+        ("{not json", "base.json: not JSON: "),
+        ("[1, 2]", "base.json: not a pytest-gradref report (no list of tests)"),
+        (
+            {**BASE, "format_version": 99},
+            "base.json: unknown report format version 99; this pytest-gradref reads version 1",
+        ),
+        (
+            {k: v for k, v in BASE.items() if k != "format_version"},
+            "base.json: it has no format_version (written before reports had one)",
+        ),
+        ({**BASE, "tests": [{"items": []}]}, "base.json: a test record without a node id"),
+        (
+            {**BASE, "tests": [{"nodeid": "t.py::test_a", "items": [1]}]},
+            "base.json: t.py::test_a: no list of items",
+        ),
+    ],
+)
+def test_unusable_input_exits_2_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: Any, why: str
+) -> None:
+    base = tmp_path / "base.json"
+    if isinstance(content, str):
+        base.write_text(content)
+    elif content is not None:
+        _write(base, content)
+    new = _write(tmp_path / "new.json", BASE)
+    status, out, err = _diff(capsys, base, new)
+    assert status == 2
+    assert out == ""
+    assert err.startswith("pytest-gradref diff: error: ")
+    assert why in err
+
+
+def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, new = _pair(tmp_path, BASE)
+    with pytest.raises(SystemExit) as exited:
+        main(["diff", str(base), str(new), "--threshold", "0"])
+    assert exited.value.code == 2
+    assert "must be greater than 0" in capsys.readouterr().err
+
+
+MARKDOWN = """\
+### gradref diff: **precision regression**
+
+1 regression in 4 compared items (threshold 2x, floor 1e-12).
+
+- base `{base}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (3 tests)
+- new `{new}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (2 tests)
+
+| | ratio | before | after | headroom change | dtype | test | item |
+|---|---:|---:|---:|---:|---|---|---|
+| :x: error grew 5x | 5x | 2e-06 | 1e-05 | -30.0% | float32 | `t.py::test_a` | \
+gradient of argument 0 (x) |
+|  | 1x | 1e-07 | 1e-07 | +0.0% | float32 | `t.py::test_a` | value |
+|  | 1x | 0 | 0 | +0.0% | float32 | `t.py::test_b` | value |
+|  | 1x | 3e-07 | 3e-07 | +0.0% | float32 | `t.py::test_b` | value #2 |
+
+Only in base (coverage that vanished): 1
+
+- `t.py::test_gone`
+"""
+
+
+def test_markdown_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    new = _changed(
+        **{
+            "t.py::test_a": _test(
+                "t.py::test_a",
+                _item("value", 1e-7),
+                _item("gradient of argument 0 (x)", 1e-5, headroom=0.2),
+            ),
+            "t.py::test_b": BASE["tests"][1],
+        }
+    )
+    base, new_path = _pair(tmp_path, new)
+    status, out, _ = _diff(capsys, base, new_path, "--format=markdown")
+    assert status == 1
+    assert out == MARKDOWN.format(base=base, new=new_path)
+
+
+def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, new = _pair(tmp_path, BASE)
+    status, out, _ = _diff(capsys, base, new, "--format", "json")
+    assert status == 0
+    document = json.loads(out)
+    assert document["regressions"] == 0
+    assert document["base"]["base_seed"] == 0
+    assert document["threshold"] == 2.0
+    assert len(document["items"]) == 5
+    assert {item["ratio"] for item in document["items"]} == {1.0}
+
+
+def test_top_limits_the_rows_but_not_the_regressions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, new = _pair(tmp_path, BASE)
+    out = _diff(capsys, base, new, "--top", "2")[1]
+    assert "... 3 more items (--top 0 shows all)" in out
+    assert "more items" not in _diff(capsys, base, new, "--top", "0")[1]
+
+
+def test_plot_without_matplotlib_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_import = builtins.__import__
+
+    def blocked(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", blocked)
+    base, new = _pair(tmp_path, BASE)
+    status, out, err = _diff(capsys, base, new, "--plot", tmp_path / "p.png")
+    assert status == 2
+    assert out == ""
+    assert "--plot needs matplotlib" in err
+    assert "pip install 'pytest-gradref[plot]'" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    new = copy.deepcopy(BASE)
+    new["tests"][0]["items"][1]["max_abs"] = 1e-5
+    base, new_path = _pair(tmp_path, new)
+    status, _, err = _diff(capsys, base, new_path, "--plot", tmp_path / "p.png")
+    assert status == 1
+    assert "plot written to" in err
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_that_cannot_be_written_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    base, new = _pair(tmp_path, BASE)
+    status, out, err = _diff(capsys, base, new, "--plot", tmp_path / "no" / "such" / "p.png")
+    assert status == 2
+    assert "0 regressions" in out, "the comparison is shown before the plot is written"
+    assert "pytest-gradref diff: error: cannot write the plot: " in err
+
+
+def test_format_versions_agree() -> None:
+    assert FORMAT_VERSION in diff_module.FORMAT_VERSIONS
+
+
+def test_module_and_console_script(tmp_path: Path) -> None:
+    from importlib.metadata import entry_points
+
+    scripts = entry_points(group="console_scripts")
+    assert [ep.value for ep in scripts if ep.name == "pytest-gradref"] == [
+        "pytest_gradref.__main__:main"
+    ]
+    base, new = _pair(tmp_path, BASE)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_gradref", "diff", str(base), str(new)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "0 regressions in 5 compared items" in done.stdout
+    # The command loads neither torch nor pytest.
+    loaded = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pytest_gradref.__main__ import main; main(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m in ('torch', 'pytest')))",
+            "diff",
+            str(base),
+            str(new),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert loaded.stdout.splitlines()[-1] == "[]"
