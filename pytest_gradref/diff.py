@@ -76,6 +76,11 @@ def load_report(path: str | Path) -> Report:
         document = json.loads(text)
     except ValueError as error:
         raise UnusableInput(f"{name}: not JSON: {error}") from None
+    return parse_report(document, name)
+
+
+def parse_report(document: Any, name: str) -> Report:
+    """Check a report's contents (as read from JSON); ``name`` says where it came from."""
     if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
         raise UnusableInput(f"{name}: not a pytest-gradref report (no list of tests)")
     version = document.get("format_version")

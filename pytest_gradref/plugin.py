@@ -38,13 +38,41 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from pytest_gradref.settings import DEVICE_OPTION, REPORT_HELP, SEED_OPTION, STRATEGY_OPTION
+    from pytest_gradref.settings import (
+        BASELINE_FAIL_HELP,
+        BASELINE_HELP,
+        BASELINE_THRESHOLD_HELP,
+        DEVICE_OPTION,
+        REPORT_HELP,
+        SEED_OPTION,
+        STRATEGY_OPTION,
+    )
 
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
     for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION):
         group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
         parser.addini(spec.ini, help=spec.help, default="")
     group.addoption("--gradref-report", dest="gradref_report", default=None, help=REPORT_HELP)
+    group.addoption(
+        "--gradref-baseline",
+        dest="gradref_baseline",
+        default=None,
+        metavar="BASE.json",
+        help=BASELINE_HELP,
+    )
+    group.addoption(
+        "--gradref-baseline-fail",
+        dest="gradref_baseline_fail",
+        action="store_true",
+        help=BASELINE_FAIL_HELP,
+    )
+    group.addoption(
+        "--gradref-baseline-threshold",
+        dest="gradref_baseline_threshold",
+        type=float,
+        default=None,
+        help=BASELINE_THRESHOLD_HELP,
+    )
 
 
 @pytest.hookimpl(trylast=True)
@@ -97,6 +125,11 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[state_key] = state
     config.pluginmanager.register(state.report, "gradref-report")
+    if config.getoption("gradref_baseline") and not hasattr(config, "workerinput"):
+        from pytest_gradref.baseline import BaselineGate
+
+        gate = BaselineGate.from_config(config, state.report)
+        config.pluginmanager.register(gate, "gradref-baseline")
     if xdist_hooks is not None:
         config.pluginmanager.register(xdist_hooks(state), "gradref-xdist")
     if hasattr(config, "workerinput") and xdist_hooks is not None:
@@ -226,6 +259,7 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
     statistics = (
         request.config.getoption("gradref_report") is not None
+        or request.config.getoption("gradref_baseline") is not None
         or request.config.get_verbosity() > 0
         or strategy == "crosscheck"
     )

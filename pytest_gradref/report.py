@@ -72,10 +72,13 @@ class ReportCollector:
             return
         import json
 
-        tests = sorted(self.records, key=lambda r: r["nodeid"])
-        document = {**self.run_fields(session.config), "tests": tests}
+        document = {**self.run_fields(session.config), "tests": self.tests()}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(document, indent=2) + "\n")
+
+    def tests(self) -> list[dict[str, Any]]:
+        """The records of the run's tests, as the report holds them."""
+        return sorted(self.records, key=lambda r: r["nodeid"])
 
     def run_fields(self, config: pytest.Config) -> dict[str, Any]:
         """What a comparison of two reports needs to know about the run as a whole."""

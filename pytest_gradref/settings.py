@@ -60,6 +60,22 @@ REPORT_HELP = (
     "grad_and_value disagree, naming the strategy each test received and the one it was "
     "checked against."
 )
+# The session's exit status when --gradref-baseline-fail finds a precision regression
+# (pytest's own statuses are 0 to 5).
+BASELINE_REGRESSION_EXIT = 6
+BASELINE_HELP = (
+    "compare the run's precision with BASE.json, a report written by --gradref-report: the "
+    "terminal summary names every item whose error grew beyond the threshold, and the tests "
+    "and items missing from this run"
+)
+BASELINE_FAIL_HELP = (
+    "with --gradref-baseline: a precision regression (or a baseline that cannot be compared) "
+    f"fails the session, exit status {BASELINE_REGRESSION_EXIT}"
+)
+BASELINE_THRESHOLD_HELP = (
+    "with --gradref-baseline: how many times an item's error may grow before it is a "
+    "regression (default 2; errors below 1e-12 count as 1e-12)"
+)
 STRATEGY_OPTION = OptionSpec(
     "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
 )

@@ -1,0 +1,128 @@
+"""``--gradref-baseline``: a run's precision against a baseline report, serial and under
+xdist, and ``--gradref-baseline-fail``'s exit status."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gradref.settings import BASELINE_REGRESSION_EXIT
+
+# A kernel whose gradient is off by a relative error the environment sets: the test passes at
+# 1e-10 and at 4e-10 (float64's default rtol is 1e-7), but its error grows fourfold.
+SKEWED_KERNEL = """
+import os
+
+import pytest
+import torch
+
+
+def loss(x, w):
+    return torch.tanh(x @ w).square().sum()
+
+
+@pytest.mark.parametrize("n", [3, 5, 7])
+def test_kernel(grad_reference, n):
+    x = torch.randn(n, 4, dtype=torch.float64)
+    w = torch.randn(4, 2, dtype=torch.float64)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = loss(xx, ww)
+    out.backward()
+    skew = float(os.environ.get("KERNEL_SKEW", "1e-10"))
+    ref.assert_close(out, (xx.grad * (1 + skew), ww.grad))
+"""
+
+
+@pytest.fixture
+def baseline(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The suite's report at a skew of 1e-10, as the baseline."""
+    pytester.makepyfile(test_kernels=SKEWED_KERNEL)
+    monkeypatch.setenv("KERNEL_SKEW", "1e-10")
+    pytester.runpytest("--gradref-device=cpu", "--gradref-report=base.json").assert_outcomes(
+        passed=3
+    )
+    return str(pytester.path / "base.json")
+
+
+def test_unchanged_kernel_has_no_regression(pytester: pytest.Pytester, baseline: str) -> None:
+    result = pytester.runpytest(
+        "--gradref-device=cpu", f"--gradref-baseline={baseline}", "--gradref-baseline-fail"
+    )
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        ["*gradref baseline*", "against *base.json: 9 items compared, 0 regressions*"]
+    )
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["serial", "xdist"])
+def test_fourfold_error_growth_is_named(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, baseline: str, workers: list[str]
+) -> None:
+    monkeypatch.setenv("KERNEL_SKEW", "4e-10")
+    args = ["--gradref-device=cpu", f"--gradref-baseline={baseline}", *workers]
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=3)
+    assert result.ret == pytest.ExitCode.OK  # named, but the session does not fail
+    result.stdout.fnmatch_lines(
+        [
+            "against *base.json: 9 items compared, 3 regressions (error grown beyond 2x)",
+            "*test_kernel?3?: gradient of argument 0 (x) (float64): error grew 4*x, *",
+            "*test_kernel?5?: gradient of argument 0 (x) (float64): error grew 4*x, *",
+            "*test_kernel?7?: gradient of argument 0 (x) (float64): error grew 4*x, *",
+        ]
+    )
+    assert "gradient of argument 1" not in result.stdout.str().split("gradref baseline")[-1]
+    failing = pytester.runpytest_subprocess(*args, "--gradref-baseline-fail")
+    failing.assert_outcomes(passed=3)
+    assert failing.ret == BASELINE_REGRESSION_EXIT
+    failing.stdout.fnmatch_lines(["*3 regressions*; the session fails (exit status 6)"])
+    # A looser threshold lets the same growth pass.
+    loose = pytester.runpytest_subprocess(
+        *args, "--gradref-baseline-fail", "--gradref-baseline-threshold=5"
+    )
+    assert loose.ret == pytest.ExitCode.OK
+
+
+def test_missing_tests_are_listed(pytester: pytest.Pytester, baseline: str) -> None:
+    result = pytester.runpytest(
+        "--gradref-device=cpu", f"--gradref-baseline={baseline}", "-k", "not 7"
+    )
+    result.assert_outcomes(passed=2, deselected=1)
+    result.stdout.fnmatch_lines(["*missing from this run: test_kernels.py::test_kernel[[]7[]]"])
+
+
+def test_failed_test_is_a_regression_that_fails_the_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, baseline: str
+) -> None:
+    # A test that fails already fails the session: its own status stays.
+    monkeypatch.setenv("KERNEL_SKEW", "1e-3")
+    result = pytester.runpytest(
+        "--gradref-device=cpu", f"--gradref-baseline={baseline}", "--gradref-baseline-fail"
+    )
+    result.assert_outcomes(failed=3)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*3 regressions*", "*now fails*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gradref-baseline=absent.json"], "*--gradref-baseline: absent.json: cannot read it*"),
+        (
+            ["--gradref-baseline=base.json", "--gradref-seed=3"],
+            "*written with base seed 0, this run uses 3*--gradref-seed=0*",
+        ),
+        (
+            ["--gradref-baseline=base.json", "--gradref-baseline-threshold=0.5"],
+            "*--gradref-baseline-threshold must be a number above 1, got 0.5*",
+        ),
+    ],
+    ids=["unreadable", "other-seed", "threshold"],
+)
+def test_unusable_baseline_is_a_usage_error(
+    pytester: pytest.Pytester, baseline: str, args: list[str], message: str
+) -> None:
+    result = pytester.runpytest("--gradref-device=cpu", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
