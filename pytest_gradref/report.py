@@ -42,6 +42,8 @@ def record_for_test(
         "nodeid": nodeid,
         "device": str(setup.device),
         "backend": setup.backend.name,
+        # A simulated device (--gradref-simulate) proves the code path, not the hardware.
+        "simulated": setup.simulated,
         # The strategies whose results the test received; under crosscheck each entry of
         # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
@@ -54,9 +56,10 @@ def record_for_test(
 class ReportCollector:
     """A plugin object that gathers the records on the process that reports (controller)."""
 
-    def __init__(self, path: str | None, base_seed: int) -> None:
+    def __init__(self, path: str | None, base_seed: int, simulated: bool = False) -> None:
         self.path = Path(path) if path else None
         self.base_seed = base_seed
+        self.simulated = simulated
         self.records: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -70,7 +73,12 @@ class ReportCollector:
         import json
 
         tests = sorted(self.records, key=lambda r: r["nodeid"])
-        document = {"base_seed": self.base_seed, "tests": tests}
+        document = {
+            "base_seed": self.base_seed,
+            # Run under --gradref-simulate, or any test on a simulated device.
+            "simulated": self.simulated or any(r.get("simulated", False) for r in tests),
+            "tests": tests,
+        }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(document, indent=2) + "\n")
 

@@ -23,6 +23,7 @@ cannot be undone; it refuses to install where a real torch_npu reports a device.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -114,6 +115,10 @@ class SimulatedNpuTensor(torch.Tensor):
         )
         wrapper.cpu_data = inner
         return wrapper
+
+    def tolist(self) -> Any:
+        # A host read, as on a real device (torch refuses tolist on tensor subclasses).
+        return self.cpu_data.tolist()
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -253,6 +258,7 @@ def _register_kernels() -> None:
 
 def _device_module() -> types.ModuleType:
     module = types.ModuleType("torch.npu", "The simulated npu device module (pytest-gradref).")
+    module.__spec__ = importlib.machinery.ModuleSpec("torch.npu", None)
 
     def is_available() -> bool:
         return device_count() > 0
@@ -316,6 +322,8 @@ def _stand_in(npu: types.ModuleType) -> types.ModuleType:
         "torch_npu", "A stand-in for torch_npu: the simulated npu of pytest-gradref."
     )
     module.__dict__.update(npu=npu, __version__=f"{torch.__version__}+simulated", simulated=True)
+    # importlib.util.find_spec("torch_npu"), as the npu probe calls it, reads the spec.
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     return module
 
 
