@@ -112,6 +112,9 @@ class SimulatedNpuTensor(torch.Tensor):
             layout=inner.layout,
             device=device,
             requires_grad=False,
+            # Sizes and strides are read from the CPU tensor, so an out= operator that resizes
+            # it (torch.eye, for one) resizes the npu tensor too.
+            dispatch_sizes_strides_policy="sizes",
         )
         wrapper.cpu_data = inner
         return wrapper
