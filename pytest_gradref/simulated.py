@@ -58,14 +58,14 @@ def _physical_count() -> int:
 
 
 def device_count() -> int:
-    """The simulated devices, restricted by ASCEND_RT_VISIBLE_DEVICES as torch_npu does."""
+    """The simulated devices, restricted by ASCEND_RT_VISIBLE_DEVICES (ids of simulated ones)."""
     total = _physical_count()
     visible = os.environ.get(VISIBLE_DEVICES_ENV)
     if visible is None:
         return total
     ids = [part.strip() for part in visible.split(",") if part.strip()]
     count = 0
-    for part in ids:  # torch_npu stops at the first id that names no device
+    for part in ids:  # stops at the first id that names no device, as CUDA_VISIBLE_DEVICES does
         if not part.isdigit() or int(part) >= total:
             break
         count += 1
