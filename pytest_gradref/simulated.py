@@ -200,9 +200,9 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     target = kwargs.pop("device", None)
     target = torch.device(target) if target is not None else source.device
     inner = source.cpu_data if isinstance(source, SimulatedNpuTensor) else source
+    if target.type != DEVICE_TYPE:  # to the CPU, or to another device such as meta
+        return func(inner, *args[1:], device=target, **kwargs)
     copied = func(inner, *args[1:], **kwargs)
-    if target.type == "cpu":
-        return copied
     return SimulatedNpuTensor(copied, _torch_device(target))
 
 

@@ -43,6 +43,7 @@ def test_tensors_live_on_the_npu(gradref_device):
     back = on_cpu.to(gradref_device)
     assert back.device == gradref_device and back.sum().item() == 21.0
     assert (x * torch.tensor(2.0)).device == gradref_device  # a 0-dim CPU scalar is fine
+    assert x.to("meta").device.type == "meta" and x.double().cpu().dtype == torch.float64
     # An out= operator that resizes its output (torch.eye does) resizes the npu tensor.
     eye = torch.eye(3, dtype=torch.float64, device=gradref_device)
     assert eye.shape == (3, 3) and eye.sum().item() == 3.0
