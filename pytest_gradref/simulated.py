@@ -16,6 +16,11 @@ operator runs on the CPU tensors inside. It behaves as a separate device: ``.cpu
 scalars aside) or with another npu index raises, as on real hardware. So a test that forgot to
 move a tensor fails here as it would on an NPU.
 
+Known limit (torch 2.13): PyTorch's Python-registered device guard reports a single
+PrivateUse1 device to the autograd engine, so backward (and torch.func transforms) through a
+tensor on ``npu:1`` or above fails with an internal assert of the engine; forward operators,
+copies and the device bookkeeping work on every simulated index.
+
 What it does not prove: Ascend numerics (every operator is torch's CPU kernel), and torch_npu's
 own operators (``torch_npu.npu_*``) do not exist here. The simulation is process-global and
 cannot be undone; it refuses to install where a real torch_npu reports a device.
