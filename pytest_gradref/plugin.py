@@ -45,11 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         DEVICE_OPTION,
         REPORT_HELP,
         SEED_OPTION,
+        SIMULATE_OPTION,
         STRATEGY_OPTION,
     )
 
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
-    for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION):
+    for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION, SIMULATE_OPTION):
         group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
         parser.addini(spec.ini, help=spec.help, default="")
     group.addoption("--gradref-report", dest="gradref_report", default=None, help=REPORT_HELP)
@@ -90,14 +91,22 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.settings import (
         DEVICE_OPTION,
         SEED_OPTION,
+        SIMULATE_OPTION,
         STRATEGY_OPTION,
         parse_device,
         parse_seed,
+        parse_simulate,
         parse_strategy,
         read_setting,
     )
     from pytest_gradref.state import GradrefState, state_key
 
+    simulate = parse_simulate(read_setting(config, SIMULATE_OPTION))
+    if simulate is not None:
+        # Before any backend is registered or probed, so the npu probe meets the simulation.
+        from pytest_gradref import simulated
+
+        simulated.install()
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
     registry = BackendRegistry()
@@ -121,7 +130,10 @@ def pytest_configure(config: pytest.Config) -> None:
         strategy=parse_strategy(strategy_setting),
         strategy_source=strategy_setting.source,
         seed=seed,
-        report=ReportCollector(config.getoption("gradref_report"), seed),
+        report=ReportCollector(
+            config.getoption("gradref_report"), seed, simulated=simulate is not None
+        ),
+        simulated=frozenset({simulate} if simulate else ()),
     )
     config.stash[state_key] = state
     config.pluginmanager.register(state.report, "gradref-report")

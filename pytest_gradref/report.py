@@ -45,6 +45,8 @@ def record_for_test(
         "nodeid": nodeid,
         "device": str(setup.device),
         "backend": setup.backend.name,
+        # A simulated device (--gradref-simulate) proves the code path, not the hardware.
+        "simulated": setup.simulated,
         # The strategies whose results the test received; under crosscheck each entry of
         # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
@@ -57,9 +59,10 @@ def record_for_test(
 class ReportCollector:
     """A plugin object that gathers the records on the process that reports (controller)."""
 
-    def __init__(self, path: str | None, base_seed: int) -> None:
+    def __init__(self, path: str | None, base_seed: int, simulated: bool = False) -> None:
         self.path = Path(path) if path else None
         self.base_seed = base_seed
+        self.simulated = simulated
         self.records: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -97,6 +100,9 @@ class ReportCollector:
             "strategy": setup.effective_strategy() if setup is not None else None,
             # Dtypes whose golden references the backend computes on the CPU.
             "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
+            # Run under --gradref-simulate, or any test on a simulated device: such a report
+            # proves the code path, not the hardware.
+            "simulated": self.simulated or any(r.get("simulated", False) for r in self.records),
         }
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:

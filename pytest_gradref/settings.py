@@ -81,6 +81,18 @@ STRATEGY_OPTION = OptionSpec(
 )
 
 
+SIMULATE_HELP = (
+    "npu: run on a simulated npu device backed by the CPU (a testing aid for CI without Ascend "
+    "hardware: it proves the npu code path, not Ascend numerics), registered before any device "
+    "is probed; none: no simulation. Refused where a real torch_npu reports a device. "
+    "Default: none."
+)
+SIMULATE_OPTION = OptionSpec(
+    "--gradref-simulate", "gradref_simulate", "GRADREF_SIMULATE", "gradref_simulate", SIMULATE_HELP
+)
+SIMULATABLE = ("npu",)
+
+
 @dataclass(frozen=True)
 class Setting:
     value: str
@@ -115,6 +127,18 @@ def parse_seed(setting: Setting) -> int:
             "non-negative integer"
         )
     return seed
+
+
+def parse_simulate(setting: Setting) -> str | None:
+    """The device type to simulate, or None for no simulation."""
+    if setting.source == "the default" or setting.value == "none":
+        return None
+    if setting.value in SIMULATABLE:
+        return setting.value
+    raise pytest.UsageError(
+        f"Invalid gradref simulate value {setting.value!r} from {setting.source}; valid values "
+        f"are {', '.join(SIMULATABLE)} or none"
+    )
 
 
 def seed_for_test(base: int, nodeid: str) -> int:
@@ -180,6 +204,7 @@ class Setup:
     strategy: StrategyChoice | None
     strategy_source: str
     unavailable: tuple[tuple[str, str], ...]
+    simulated: bool = False
 
     @property
     def label(self) -> str:
@@ -192,8 +217,14 @@ class Setup:
     def effective_strategy(self) -> StrategyChoice:
         return self.strategy if self.strategy is not None else self.backend.default_strategy
 
+    def description(self) -> str:
+        """The device's name, or "simulated on CPU": a simulated run never reads as real."""
+        if self.simulated:
+            return "simulated on CPU"
+        return self.backend.describe_device(self.device)
+
     def header_line(self, seed: int) -> str:
-        description = self.backend.describe_device(self.device)
+        description = self.description()
         strategy = self.effective_strategy()
         if self.strategy is None:
             strategy_from = f"{self.backend.name} default"
@@ -214,6 +245,7 @@ def resolve(
     strategy: StrategyChoice | None,
     strategy_source: str,
     registry: BackendRegistry,
+    simulated: frozenset[str] = frozenset(),
 ) -> Setup:
     """Probe backends and pick the device; a usage error says why a request cannot be met."""
     unavailable: list[tuple[str, str]] = []
@@ -250,6 +282,7 @@ def resolve(
         strategy=strategy,
         strategy_source=strategy_source,
         unavailable=tuple(unavailable),
+        simulated=backend.device_type in simulated,
     )
 
 

@@ -29,6 +29,8 @@ class GradrefState:
     strategy_source: str
     seed: int
     report: ReportCollector
+    # Device types this process simulates (--gradref-simulate), installed before any probe.
+    simulated: frozenset[str] = frozenset()
     resolved: Setup | None = None
     reported: bool = False
 
@@ -38,7 +40,11 @@ class GradrefState:
             from pytest_gradref.settings import resolve
 
             self.resolved = resolve(
-                self.device_request, self.strategy, self.strategy_source, self.registry
+                self.device_request,
+                self.strategy,
+                self.strategy_source,
+                self.registry,
+                self.simulated,
             )
         return self.resolved
 

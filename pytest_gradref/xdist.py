@@ -111,7 +111,8 @@ def worker_summary(setup: Setup) -> dict[str, Any]:
     current = setup.backend.current_device()
     return {
         "device": setup.label,
-        "description": setup.backend.describe_device(setup.device),
+        "description": setup.description(),
+        "simulated": setup.simulated,
         "physical": ids[index] if ids and index < len(ids) else None,
         "current": current,
     }

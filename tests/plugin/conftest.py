@@ -22,7 +22,13 @@ import torch._dynamo  # see the note below
 # register operator libraries that refuse a second registration: load them once, here too.
 torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
 
-GRADREF_ENV = ("GRADREF_DEVICE", "GRADREF_STRATEGY", "GRADREF_SEED")
+GRADREF_ENV = (
+    "GRADREF_DEVICE",
+    "GRADREF_STRATEGY",
+    "GRADREF_SEED",
+    "GRADREF_SIMULATE",
+    "ASCEND_RT_VISIBLE_DEVICES",
+)
 
 # A conftest for the generated projects: the npu *policy* (grad_and_value by default) placed on
 # CPU tensors, so the NPU code path runs on machines without an NPU. Registering the built-in

@@ -1,0 +1,273 @@
+"""The simulated npu (``--gradref-simulate=npu``): the plugin's real npu route, torch_npu probe
+and torch.npu calls included, on CPU-only machines.
+
+Installing the simulation renames PyTorch's PrivateUse1 backend for the whole process, so every
+run that installs it is a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pytest_gradref import simulated
+
+SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-rxs")
+
+NPU_ROUTE = """
+import sys
+
+import pytest
+import torch
+
+
+def test_probe_imports_the_stand_in(gradref_backend, gradref_device):
+    import torch_npu
+
+    assert torch_npu.simulated and sys.modules["torch_npu"] is torch_npu
+    assert gradref_backend.name == "npu" and gradref_backend.unavailable_reason() is None
+    assert gradref_device == torch.device("npu", 0)
+    assert torch.npu.is_available() and torch.npu.device_count() == 2
+    assert "simulated" in torch.npu.get_device_name(0)
+    assert torch.npu.current_device() == 0
+
+
+def test_tensors_live_on_the_npu(gradref_device):
+    x = torch.arange(6.0, device=gradref_device).reshape(2, 3)
+    assert x.device == gradref_device and x.is_npu
+    on_cpu = x.cpu()
+    assert on_cpu.device.type == "cpu"
+    on_cpu += 1  # a copy: the npu tensor is unchanged
+    assert x.sum().item() == 15.0
+    back = on_cpu.to(gradref_device)
+    assert back.device == gradref_device and back.sum().item() == 21.0
+    assert (x * torch.tensor(2.0)).device == gradref_device  # a 0-dim CPU scalar is fine
+    assert x.to("meta").device.type == "meta" and x.double().cpu().dtype == torch.float64
+    # An out= operator that resizes its output (torch.eye does) resizes the npu tensor.
+    eye = torch.eye(3, dtype=torch.float64, device=gradref_device)
+    assert eye.shape == (3, 3) and eye.sum().item() == 3.0
+    with pytest.raises(RuntimeError, match="same device.*npu:0.*npu:1|same device.*npu:1"):
+        x + x.to("npu:1")
+
+
+def test_seeding_reproduces_draws(gradref_backend, gradref_device):
+    gradref_backend.seed(1234)
+    first = torch.randn(4, device=gradref_device).cpu()
+    torch.npu.manual_seed_all(1234)
+    torch.npu.manual_seed(1234)
+    second = torch.randn(4, device=gradref_device).cpu()
+    assert torch.equal(first, second)
+
+
+def test_synchronize_and_memory_statistics(gradref_backend, gradref_device):
+    gradref_backend.synchronize(gradref_device)
+    torch.npu.synchronize()
+    stats = gradref_backend.memory_stats(gradref_device)
+    assert stats == {"memory_allocated": 0, "max_memory_allocated": 0, "memory_reserved": 0}
+    gradref_backend.reset_peak_memory(gradref_device)
+
+
+def test_reference_on_npu_tensors(grad_reference, gradref_device):
+    x = torch.randn(3, 4, device=gradref_device, requires_grad=True)
+    w = torch.randn(4, 2, device=gradref_device)
+    ref = grad_reference(lambda x, w: (x @ w).tanh().sum(), x, w, golden=torch.float64)
+    assert ref.strategy == "grad_and_value" and ref.grads[0].device == gradref_device
+    assert x.grad is None
+    value = (x @ w).tanh().sum()
+    (grad,) = torch.autograd.grad(value, x)
+    ref.assert_close(value, [grad])
+
+
+@pytest.mark.gradref_xfail("npu", reason="fails on npu only", raises=AssertionError)
+def test_npu_xfail(gradref_device):
+    assert gradref_device.type != "npu"
+
+
+@pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,
+    reason="torch 2.13's Python device guard reports one PrivateUse1 device, so the autograd "
+    "engine has no queue for npu:1 (torch/csrc/acc/Module.cpp, PythonDeviceGuard::deviceCount)",
+)
+def test_backward_on_the_second_device():
+    x = torch.ones(3, device="npu:1", requires_grad=True)
+    (x * x).sum().backward()
+
+
+def test_forgot_to_move_a_tensor(gradref_device):
+    x = torch.randn(3, device=gradref_device)
+    bias = torch.randn(3)  # left on the CPU
+    x + bias
+"""
+
+
+def _run_route(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(NPU_ROUTE)
+    return pytester.runpytest_subprocess(*args)
+
+
+def test_the_npu_route_runs_on_the_simulated_device(pytester: pytest.Pytester) -> None:
+    result = _run_route(pytester, *SIM, "--gradref-report=report.json")
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: device=npu:0 (simulated on CPU; from the --gradref-device option) "
+            "strategy=grad_and_value (npu default) *",
+        ]
+    )
+    result.assert_outcomes(passed=5, failed=1, xfailed=2)
+    # The test that forgot to move a tensor fails with the error real hardware gives.
+    result.stdout.fnmatch_lines(
+        [
+            "*test_forgot_to_move_a_tensor*",
+            "E * Expected all tensors to be on the same device, but found at least two "
+            "devices, cpu and npu:0!*",
+        ]
+    )
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert report["simulated"] is True
+    assert [(t["device"], t["simulated"]) for t in report["tests"]] == [("npu:0", True)]
+
+
+def test_crosscheck_on_npu_tensors_from_the_environment(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADREF_SIMULATE", "npu")
+    pytester.makepyfile(NPU_ROUTE)
+    result = pytester.runpytest_subprocess(
+        "--gradref-device=npu", "--gradref-strategy=crosscheck", "-k", "reference"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: device=npu:0 (simulated on CPU; *) strategy=crosscheck *",
+            "crosscheck: * items received grad_and_value results, checked against autograd; "
+            "0 differ beyond tolerance",
+        ]
+    )
+
+
+def test_command_line_none_overrides_the_ini_key(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngradref_simulate = npu\n")
+    pytester.makepyfile(
+        """
+import sys
+
+def test_real_cpu(gradref_device):
+    assert gradref_device.type == "cpu" and "torch_npu" not in sys.modules
+"""
+    )
+    result = pytester.runpytest_subprocess("--gradref-simulate=none", "--gradref-device=auto")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*simulated*")
+
+
+def test_visible_devices_limit_the_count(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "1")
+    pytester.makepyfile(
+        """
+import torch
+
+def test_one_visible():
+    assert torch.npu.device_count() == 1
+"""
+    )
+    result = pytester.runpytest_subprocess("--gradref-simulate=npu", "--gradref-device=npu:1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: gradref device 'npu:1' from the --gradref-device option is out of range: "
+            "1 npu device(s) visible with ASCEND_RT_VISIBLE_DEVICES='1', so the index must be 0..0"
+        ]
+    )
+    pytester.runpytest_subprocess(
+        "--gradref-simulate=npu", "--gradref-device=npu:0"
+    ).assert_outcomes(passed=1)
+
+
+def test_workers_take_simulated_devices(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+import torch
+
+@pytest.mark.parametrize("i", range(4))
+def test_on_worker_device(i, gradref_device, worker_id):
+    assert gradref_device == torch.device("npu", int(worker_id[2:]))
+    assert torch.npu.current_device() == gradref_device.index
+    assert torch.ones(1, device="npu").device == gradref_device
+"""
+    )
+    result = pytester.runpytest_subprocess("-n", "2", *SIM)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(
+        [
+            "*= gradref workers =*",
+            "gw0 -> npu:0 (simulated on CPU; current device npu:0)",
+            "gw1 -> npu:1 (simulated on CPU; current device npu:1)",
+        ]
+    )
+
+
+REAL_TORCH_NPU = """
+import types
+
+import torch
+
+npu = types.ModuleType("torch.npu")
+npu.is_available = lambda: True
+npu.device_count = lambda: 1
+torch.npu = npu
+"""
+
+
+def test_a_real_torch_npu_is_never_shadowed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An importable torch_npu that reports a device stands for real hardware.
+    package = pytester.mkpydir("torch_npu")
+    (package / "__init__.py").write_text(REAL_TORCH_NPU)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("--gradref-simulate=npu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --gradref-simulate=npu refused: a real torch_npu is installed and imports "
+            "(1 NPU device(s) visible)*"
+        ]
+    )
+
+
+@pytest.mark.parametrize("source", ["cli", "env", "ini"])
+def test_unknown_simulate_value(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    # Rejected before anything is installed, so an in-process run is safe.
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    args: list[str] = []
+    if source == "cli":
+        args, where = ["--gradref-simulate=cuda"], "the --gradref-simulate option"
+    elif source == "env":
+        monkeypatch.setenv("GRADREF_SIMULATE", "cuda")
+        where = "the GRADREF_SIMULATE environment variable"
+    else:
+        pytester.makeini("[pytest]\ngradref_simulate = cuda\n")
+        where = "the gradref_simulate ini key in tox.ini"
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [f"ERROR: Invalid gradref simulate value 'cuda' from {where}; valid values are npu or none"]
+    )
+
+
+def test_device_count_follows_ascend_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The count alone, without installing anything in this process.
+    monkeypatch.setitem(simulated._installed, "count", 4)
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    assert simulated.device_count() == 4
+    for visible, count in (("2,3", 2), ("3", 1), ("", 0), ("1,7,2", 1), ("0,1,2,3", 4)):
+        monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", visible)
+        assert simulated.device_count() == count, visible
