@@ -146,7 +146,7 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def _git_commit(repo: Path) -> str | None:
+def git_commit(repo: Path) -> str | None:
     """HEAD's hash, with "-dirty" when the working tree differs from it."""
     try:
         done = subprocess.run(
@@ -172,7 +172,7 @@ def environment(device: torch.device, repo: Path, packages: Iterable[str]) -> di
         "device_name": device_name(device),
         "cpu_threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "commit": _git_commit(repo),
+        "commit": git_commit(repo),
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 

@@ -38,6 +38,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
+from _bench_util import git_commit
+
 REPO = Path(__file__).resolve().parent.parent
 
 COMMON = '''
@@ -353,16 +355,7 @@ print(f"torch {{torch.__version__}}, {{device}} ({{name}}), {{threads}} CPU thre
       f"Python {{platform.python_version()}}")
 """
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    try:
-        commit = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-    except OSError:  # no git
-        commit = ""
+    commit = git_commit(REPO)
     print(f"# pytest-gradref cost, commit {commit or '?'}")
     print(done.stdout.strip() or done.stderr.strip())
 
