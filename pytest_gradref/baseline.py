@@ -106,6 +106,5 @@ class BaselineGate:
                 f"{item.before:.3g} -> {item.after:.3g}"
             )
         for missing in diff.only_in_base:
-            what = missing.nodeid if missing.label is None else f"{missing.nodeid}: {missing.label}"
-            lines.append(f"  missing from this run: {what}")
+            lines.append(f"  missing from this run: {missing.describe()}")
         return lines

@@ -139,6 +139,9 @@ class Missing:
     nodeid: str
     label: str | None = None  # None: the whole test
 
+    def describe(self) -> str:
+        return self.nodeid if self.label is None else f"{self.nodeid}: {self.label}"
+
 
 @dataclass
 class Diff:

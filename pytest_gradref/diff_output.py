@@ -36,10 +36,6 @@ def _shown(diff: Diff, top: int) -> list[ItemDiff]:
     return diff.items[: max(top, len(diff.regressions))]
 
 
-def _missing(entry: Missing) -> str:
-    return entry.nodeid if entry.label is None else f"{entry.nodeid}: {entry.label}"
-
-
 def _verdict_line(diff: Diff) -> str:
     count = len(diff.regressions)
     noun = "regression" if count == 1 else "regressions"
@@ -75,7 +71,7 @@ def render_text(diff: Diff, top: int = 20) -> str:
     ):
         if entries:
             lines.append(f"{title}: {len(entries)}")
-            lines += [f"  {_missing(entry)}" for entry in entries]
+            lines += [f"  {entry.describe()}" for entry in entries]
     return "\n".join(lines) + "\n"
 
 
@@ -116,7 +112,7 @@ def render_markdown(diff: Diff, top: int = 20) -> str:
     ):
         if entries:
             lines += ["", f"{title}: {len(entries)}", ""]
-            lines += [f"- `{_cell(_missing(entry))}`" for entry in entries]
+            lines += [f"- `{_cell(entry.describe())}`" for entry in entries]
     return "\n".join(lines) + "\n"
 
 
