@@ -672,17 +672,38 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"rows per chunk, ours and Liger (default {CHUNK_SIZE}, --quick {QUICK_CHUNK_SIZE})",
     )
     parser.add_argument("--bias", action="store_true", help="give student and teacher a bias")
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=LOSS_KWARGS["beta"],
+        help="mixture weight of the loss: 0 is KL(T||S), 1 KL(S||T) (default 0.5)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=LOSS_KWARGS["temperature"],
+        help="softmax temperature of the soft loss (default 1.0)",
+    )
     parser.add_argument("--skip-precision", action="store_true", help="no float64 comparison")
     args = parser.parse_args(argv)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.warmup < 1 or args.iters < 1:
         parser.error("--warmup and --iters must be at least 1")
+    if not 0.0 <= args.beta <= 1.0:
+        parser.error(f"--beta must lie in [0, 1], got {args.beta}")
+    if not args.temperature > 0.0:
+        parser.error(f"--temperature must be positive, got {args.temperature}")
     if args.shapes is None and not args.quick and args.device.type == "cpu":
         parser.error("the full set needs a GPU: pass --quick or --shapes")
     return args
 
 
-def metadata(args: argparse.Namespace, settings: Settings, impls: Sequence[Impl]) -> dict[str, Any]:
+def metadata(
+    args: argparse.Namespace,
+    settings: Settings,
+    impls: Sequence[Impl],
+    loss_kwargs: dict[str, Any],
+) -> dict[str, Any]:
     return {
         "environment": environment(settings.device, REPO, PACKAGES),
         "kernel_module": gradref_kernels.__file__,
@@ -692,7 +713,7 @@ def metadata(args: argparse.Namespace, settings: Settings, impls: Sequence[Impl]
             "bias": args.bias,
             "ignore_every": IGNORE_EVERY,
             "logit_std": LOGIT_STD,
-            **LOSS_KWARGS,
+            **loss_kwargs,
             "warmup": settings.warmup,
             "iters": settings.iters,
             "quick": args.quick,
@@ -716,7 +737,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     chunk_size = args.chunk_size or (QUICK_CHUNK_SIZE if args.quick else CHUNK_SIZE)
     settings = Settings(args.device, args.warmup, args.iters, chunk_size)
-    impls = [impl for impl in all_impls(args.device, chunk_size) if impl.name in args.impls]
+    loss_kwargs = {**LOSS_KWARGS, "beta": args.beta, "temperature": args.temperature}
+    impls = [
+        impl for impl in all_impls(args.device, chunk_size, loss_kwargs) if impl.name in args.impls
+    ]
 
     perf: list[PerfRow] = []
     memory = MemoryModel()
@@ -731,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"precision: {precision_shape.name} against float64", flush=True)
         problem = make_problem(precision_shape, args.device, args.bias, seed=1)
         case = f"{precision_shape.name} {DTYPE_NAME}"
-        precision = precision_rows(case, problem, DTYPE, impls)
+        precision = precision_rows(case, problem, DTYPE, impls, loss_kwargs)
         precision += close_precision_rows(args.device, chunk_size, args.impls)
 
     device = device_name(args.device)
@@ -740,12 +764,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot(perf, args.out / "bench_jsd.png", f"{DTYPE_NAME} forward + backward, {device}")
     except ImportError as exc:
         print(f"no plot: {exc}")
-    meta = metadata(args, settings, impls)
+    meta = metadata(args, settings, impls, loss_kwargs)
     meta["wall_s"] = time.perf_counter() - started
     write_outputs(args.out, meta, perf, precision)
 
     timing = f"median of {settings.iters} after {settings.warmup} warm-ups"
-    print(f"\n## {DTYPE_NAME} forward + backward on {device} ({timing})\n\n{perf_table(perf)}")
+    loss = f"beta {args.beta}, temperature {args.temperature}"
+    print(f"\n## {DTYPE_NAME} forward + backward on {device} ({loss}; {timing})\n")
+    print(perf_table(perf))
     if precision:
         print("\n## Precision against the float64 reference\n")
         print(precision_table(precision))

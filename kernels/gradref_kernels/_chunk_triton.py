@@ -354,13 +354,24 @@ def _mixture_series(beta: float, terms: int = 7) -> list[float]:
     return [kappa[n] / math.factorial(n) * _LN2**n for n in range(1, terms + 1)]
 
 
-def _default_config(n: int, vt: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for n rows of vt columns.
+def _mode(beta: float) -> int:
+    """The kernel's soft-loss specialisation for ``beta``."""
+    return _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
 
-    From benchmarks/tune_chunk.py on an H200 (V = 128256, bf16 teacher and gradient written
-    over it): 2048 x 8 warps is fastest from 512 rows up (0.59 ms for 1024 rows, 90% of the
-    HBM peak; 4096 x 16 is level at 2048 rows); fewer rows leave SMs idle and prefer wider
-    tiles. Two other layouts were measured for 1024 rows and left out:
+
+def _default_config(n: int, vt: int, mode: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for n rows of vt columns in soft-loss ``mode``.
+
+    From do_bench sweeps on an H200 (V = 128256, bf16 teacher and gradient written over it,
+    hard loss on; benchmarks/tune_chunk.py for 0 < beta < 1). The mixture's three passes run
+    fastest at 2048 x 8 warps from 512 rows up (0.605 ms for 1024 rows at temperature 1, 90% of
+    the HBM peak; 4096 x 16 is level at 2048 rows). The two-pass KL endpoints run fastest at
+    1024 x 4: for 1024 rows 0.451 / 0.488 ms (beta 0, temperature 1 / 2) and 0.438 / 0.590 ms
+    (beta 1), against 0.504 / 0.495 and 0.442 / 0.600 ms at 2048 x 8, the same registers
+    (48-80) and no spills either way: the difference is in the schedule the compiler makes.
+    Fewer rows leave SMs idle and prefer wider tiles (256 rows: the mixture 0.182 ms at
+    4096 x 8, the endpoints 0.132-0.185 ms at 4096 x 16). Two other layouts were measured for
+    1024 rows at beta 0.5 and left out:
     - a persistent grid, one program per SM striding over rows (fewer rows in flight, so the
       passes re-read more from L2): 0.625 ms at 16384 x 32 warps against 0.655 ms in the same
       run, slower with narrower tiles or more programs;
@@ -368,9 +379,12 @@ def _default_config(n: int, vt: int) -> tuple[int, int]:
       sums through global memory (each logit read once): 0.64-0.97 ms, as the two waits per
       row leave too little data in flight to cover the memory latency.
     """
+    width = triton.next_power_of_2(vt)
     if n < 512:
-        return min(2 * _MAX_BLOCK_V, triton.next_power_of_2(vt)), 8
-    return min(_MAX_BLOCK_V, triton.next_power_of_2(vt)), 8
+        return min(2 * _MAX_BLOCK_V, width), 8 if mode == _BETA_MIXED else 16
+    if mode == _BETA_MIXED:
+        return min(_MAX_BLOCK_V, width), 8
+    return min(_MAX_BLOCK_V // 2, width), 4
 
 
 def _launch(
@@ -395,7 +409,7 @@ def _launch(
     soft_rows = torch.empty(n, dtype=torch.float32, device=student_logits.device)
     hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
     if n > 0:
-        mode = _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
+        mode = _mode(beta)
         # d(soft)/dz factor (the kernel's logs are in natural units there).
         soft_coef = weight_soft / temperature
         if mode == _BETA_MIXED:
@@ -507,7 +521,7 @@ def jsd_chunk_(
     Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses summed over its
     valid rows (hard_sum is zero when not compute_hard).
     """
-    block_v, num_warps = _default_config(*teacher_logits.shape)
+    block_v, num_warps = _default_config(*teacher_logits.shape, _mode(beta))
     return _launch(
         student_logits,
         teacher_logits,
