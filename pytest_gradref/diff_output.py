@@ -130,6 +130,7 @@ def render_json(diff: Diff) -> str:
             "device": report.device,
             "backend": report.backend,
             "strategy": report.strategy,
+            "strategy_is_default": report.strategy_is_default,
         }
 
     def missing(entries: list[Missing]) -> dict[str, Any]:

@@ -98,6 +98,9 @@ class ReportCollector:
             "device": setup.label if setup is not None else None,
             "backend": setup.backend.name if setup is not None else None,
             "strategy": setup.effective_strategy() if setup is not None else None,
+            # The backend's default rather than an option's choice: two runs on devices with
+            # different defaults (autograd on cuda, grad_and_value on npu) still compare.
+            "strategy_is_default": setup is not None and setup.strategy is None,
             # Dtypes whose golden references the backend computes on the CPU.
             "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
             # Run under --gradref-simulate, or any test on a simulated device: such a report

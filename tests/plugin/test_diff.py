@@ -236,6 +236,52 @@ def test_mismatched_strategies_are_refused_unless_allowed(
     assert _diff(capsys, base, new_path, "--allow-mismatch")[0] == 0
 
 
+def _on_device(document: dict[str, Any], backend: str, strategy: str) -> dict[str, Any]:
+    """``document`` as a run on ``backend`` that took its default ``strategy``."""
+    moved = copy.deepcopy(document)
+    moved.update(device=f"{backend}:0", backend=backend, strategy=strategy)
+    moved["strategy_is_default"] = True
+    for test in moved["tests"]:
+        test.update(device=f"{backend}:0", backend=backend, strategies=[strategy])
+    return moved
+
+
+def test_device_default_strategies_compare_across_devices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cuda = _on_device(BASE, "cuda", "autograd")
+    npu = _on_device(BASE, "npu", "grad_and_value")
+    npu["tests"][0]["items"][1]["max_abs"] = 8e-6  # grew 4x on the npu
+    base, new = _write(tmp_path / "base.json", cuda), _write(tmp_path / "new.json", npu)
+    status, out, _ = _diff(capsys, base, new)
+    assert status == 1
+    assert "strategy=grad_and_value (npu default)" in out
+    assert "strategy=autograd (cuda default)" in out
+    assert "compared despite a mismatch" not in out
+    assert "t.py::test_a: gradient of argument 0 (x)  <- error grew 4x" in out
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["chosen by an option", "one test's marker", "the same backend"],
+)
+def test_strategies_that_are_not_device_defaults_stay_a_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], why: str
+) -> None:
+    cuda = _on_device(BASE, "cuda", "autograd")
+    npu = _on_device(BASE, "npu", "grad_and_value")
+    if why == "chosen by an option":
+        npu["strategy_is_default"] = False
+    elif why == "one test's marker":
+        npu["tests"][1]["strategies"] = ["crosscheck"]
+    else:
+        npu = _on_device(BASE, "cuda", "grad_and_value")
+    base, new = _write(tmp_path / "base.json", cuda), _write(tmp_path / "new.json", npu)
+    status, _, err = _diff(capsys, base, new)
+    assert status == 2
+    assert "strategies differ in" in err
+
+
 @pytest.mark.parametrize(
     ("content", "why"),
     [
