@@ -8,6 +8,7 @@ run that installs it is a subprocess.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -225,14 +226,23 @@ import pytest
 import torch
 
 @pytest.mark.parametrize("i", range(4))
-def test_on_worker_device(i, gradref_device, worker_id):
+def test_on_worker_device(i, gradref_device, worker_id, grad_reference):
     assert gradref_device == torch.device("npu", int(worker_id[2:]))
     assert torch.npu.current_device() == gradref_device.index
     assert torch.ones(1, device="npu").device == gradref_device
+    # Gradients on the worker's device: autograd, and grad_and_value in the reference.
+    x = torch.arange(3.0, device=gradref_device, requires_grad=True)
+    ref = grad_reference(lambda x: (x * x * x).sum(), x, golden=torch.float64)
+    value = (x * x * x).sum()
+    value.backward()
+    assert x.grad.device == ref.grads[0].device == gradref_device
+    assert torch.equal(x.grad.cpu(), torch.tensor([0.0, 3.0, 12.0]))
+    ref.assert_close(value, [x.grad])
 """
     )
-    result = pytester.runpytest_subprocess("-n", "2", *SIM)
+    result = pytester.runpytest_subprocess("-n", "2", "-v", *SIM)
     result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_on_worker_device*"])
     result.stdout.fnmatch_lines(
         [
             "*= gradref workers =*",
@@ -240,6 +250,28 @@ def test_on_worker_device(i, gradref_device, worker_id):
             "gw1 -> npu:1 (simulated on CPU; current device npu:1)",
         ]
     )
+
+
+KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels" / "test_fused_linear_jsd.py"
+
+
+def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> None:
+    # A slice of the kernel suite itself (its conftest and the repository's ini included):
+    # backward through the fused loss and grad_and_value references, on npu:0 and npu:1.
+    result = pytester.runpytest_subprocess(
+        str(KERNEL_TESTS),
+        "-k",
+        "test_grad_output or test_non_contiguous_inputs",
+        "-n",
+        "2",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *SIM,
+    )
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_fused_linear_jsd.py::*"])
+    result.stdout.fnmatch_lines(["gw1 -> npu:1 (simulated on CPU; current device npu:1)"])
 
 
 REAL_TORCH_NPU = """
