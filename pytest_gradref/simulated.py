@@ -16,10 +16,15 @@ operator runs on the CPU tensors inside. It behaves as a separate device: ``.cpu
 scalars aside) or with another npu index raises, as on real hardware. So a test that forgot to
 move a tensor fails here as it would on an NPU.
 
-Known limit (torch 2.13): PyTorch's Python-registered device guard reports a single
-PrivateUse1 device to the autograd engine, so backward (and torch.func transforms) through a
-tensor on ``npu:1`` or above fails with an internal assert of the engine; forward operators,
-copies and the device bookkeeping work on every simulated index.
+Backward runs on the calling thread: the simulation turns off the autograd engine's device
+threads for the thread that installs it (the one pytest runs tests in), so
+``torch.autograd.is_multithreading_enabled()`` is False there. PyTorch's Python-registered
+device guard reports a single PrivateUse1 device (``PythonDeviceGuard::deviceCount`` in
+``torch/csrc/acc/Module.cpp`` returns 1, and Python can override only ``type_``), so the engine
+has one device queue, and a backward through ``npu:1`` that took the device queues would fail
+with an internal assert of the engine (``Engine::ready_queue``). Run in the calling thread it
+needs no queue. A backward started from another thread (one the test starts itself) still
+takes the device queues, and on ``npu:1`` or above meets that assert.
 
 What it does not prove: Ascend numerics (every operator is torch's CPU kernel), and torch_npu's
 own operators (``torch_npu.npu_*``) do not exist here. The simulation is process-global and
@@ -379,5 +384,9 @@ def install(count: int = DEFAULT_DEVICE_COUNT) -> None:
     npu = _device_module()
     _setup_privateuseone_for_python_backend(rename=DEVICE_TYPE, backend_module=npu)
     _register_kernels()
+    # The engine sizes its device queues by the guard's deviceCount(), 1 for a Python backend,
+    # and picks a queue by device index unless multithreading is off for the calling thread:
+    # off, every simulated index runs backward here, on the thread that runs the tests.
+    torch.autograd.set_multithreading_enabled(False)
     sys.modules["torch.npu"] = npu
     sys.modules["torch_npu"] = _stand_in(npu)

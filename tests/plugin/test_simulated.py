@@ -8,6 +8,7 @@ run that installs it is a subprocess.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-rxs")
 
 NPU_ROUTE = """
 import sys
+import threading
 
 import pytest
 import torch
@@ -84,15 +86,45 @@ def test_npu_xfail(gradref_device):
     assert gradref_device.type != "npu"
 
 
+def test_backward_on_the_second_device():
+    x = torch.arange(3.0, device="npu:1", requires_grad=True)
+    (x * x * x).sum().backward()
+    assert x.grad.device == torch.device("npu", 1)
+    assert torch.equal(x.grad.cpu(), torch.tensor([0.0, 3.0, 12.0]))
+
+
+def test_grad_and_value_on_the_second_device():
+    x = torch.arange(3.0, device="npu:1")
+    grad, value = torch.func.grad_and_value(lambda t: (t * t * t).sum())(x)
+    assert grad.device == value.device == torch.device("npu", 1)
+    assert torch.equal(grad.cpu(), torch.tensor([0.0, 3.0, 12.0])) and value.item() == 9.0
+
+
 @pytest.mark.xfail(
     raises=RuntimeError,
     strict=True,
     reason="torch 2.13's Python device guard reports one PrivateUse1 device, so the autograd "
-    "engine has no queue for npu:1 (torch/csrc/acc/Module.cpp, PythonDeviceGuard::deviceCount)",
+    "engine has no device queue for npu:1 (torch/csrc/acc/Module.cpp, "
+    "PythonDeviceGuard::deviceCount); the simulation runs backward on the thread that runs "
+    "the tests, and a thread the test starts takes the device queues",
 )
-def test_backward_on_the_second_device():
+def test_backward_from_another_thread_on_the_second_device():
     x = torch.ones(3, device="npu:1", requires_grad=True)
-    (x * x).sum().backward()
+    errors = []
+
+    def backward():
+        try:
+            (x * x).sum().backward()
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    thread.join()
+    if errors:  # the engine's assert on its device queues, and no other error
+        assert "device_ready_queues_" in str(errors[0]), errors[0]
+        raise errors[0]
+    assert torch.equal(x.grad.cpu(), torch.full((3,), 2.0))
 
 
 def test_forgot_to_move_a_tensor(gradref_device):
@@ -115,7 +147,7 @@ def test_the_npu_route_runs_on_the_simulated_device(pytester: pytest.Pytester) -
             "strategy=grad_and_value (npu default) *",
         ]
     )
-    result.assert_outcomes(passed=5, failed=1, xfailed=2)
+    result.assert_outcomes(passed=7, failed=1, xfailed=2)
     # The test that forgot to move a tensor fails with the error real hardware gives.
     result.stdout.fnmatch_lines(
         [
@@ -194,14 +226,23 @@ import pytest
 import torch
 
 @pytest.mark.parametrize("i", range(4))
-def test_on_worker_device(i, gradref_device, worker_id):
+def test_on_worker_device(i, gradref_device, worker_id, grad_reference):
     assert gradref_device == torch.device("npu", int(worker_id[2:]))
     assert torch.npu.current_device() == gradref_device.index
     assert torch.ones(1, device="npu").device == gradref_device
+    # Gradients on the worker's device: autograd, and grad_and_value in the reference.
+    x = torch.arange(3.0, device=gradref_device, requires_grad=True)
+    ref = grad_reference(lambda x: (x * x * x).sum(), x, golden=torch.float64)
+    value = (x * x * x).sum()
+    value.backward()
+    assert x.grad.device == ref.grads[0].device == gradref_device
+    assert torch.equal(x.grad.cpu(), torch.tensor([0.0, 3.0, 12.0]))
+    ref.assert_close(value, [x.grad])
 """
     )
-    result = pytester.runpytest_subprocess("-n", "2", *SIM)
+    result = pytester.runpytest_subprocess("-n", "2", "-v", *SIM)
     result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_on_worker_device*"])
     result.stdout.fnmatch_lines(
         [
             "*= gradref workers =*",
@@ -209,6 +250,28 @@ def test_on_worker_device(i, gradref_device, worker_id):
             "gw1 -> npu:1 (simulated on CPU; current device npu:1)",
         ]
     )
+
+
+KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels" / "test_fused_linear_jsd.py"
+
+
+def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> None:
+    # A slice of the kernel suite itself (its conftest and the repository's ini included):
+    # backward through the fused loss and grad_and_value references, on npu:0 and npu:1.
+    result = pytester.runpytest_subprocess(
+        str(KERNEL_TESTS),
+        "-k",
+        "test_grad_output or test_non_contiguous_inputs",
+        "-n",
+        "2",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        *SIM,
+    )
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_fused_linear_jsd.py::*"])
+    result.stdout.fnmatch_lines(["gw1 -> npu:1 (simulated on CPU; current device npu:1)"])
 
 
 REAL_TORCH_NPU = """
