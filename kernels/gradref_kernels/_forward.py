@@ -11,6 +11,7 @@ from torch import Tensor
 from . import _chunk_torch
 from ._dispatch import ChunkKernel
 from ._matmuls import MeanScale, accumulate_product_, compute_logits, input_gradient_, packed_over
+from ._options import LossOptions
 
 
 @dataclass
@@ -39,14 +40,9 @@ def chunked_forward(
     bias: Tensor | None,
     teacher_bias: Tensor | None,
     *,
-    weight_hard: float,
-    weight_soft: float,
-    beta: float,
-    ignore_index: int,
-    temperature: float,
+    options: LossOptions,
     chunk_size: int,
     chunk_kernel: ChunkKernel,
-    compute_hard: bool,
     compute_soft: bool,
     need_grad_x: bool,
     need_grad_weight: bool,
@@ -55,7 +51,7 @@ def chunked_forward(
     """Losses and gradients of 2-D inputs, ``chunk_size`` rows at a time."""
     device = x.device
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    valid = labels != ignore_index
+    valid = labels != options.ignore_index
     # The chunk functions work on the summed loss, so that their elementwise ops scale by
     # Python numbers only, and 1/num_valid (a device tensor: reading the count on the host
     # would synchronise) is applied to the float32 results before their one rounding: to the
@@ -129,12 +125,7 @@ def chunked_forward(
                 teacher_logits,
                 labels[start:end],
                 grad_out=grad_logits,
-                beta=beta,
-                temperature=temperature,
-                ignore_index=ignore_index,
-                weight_hard=weight_hard,
-                weight_soft=weight_soft,
-                compute_hard=compute_hard,
+                options=options,
             )
             if not grad_logits.is_contiguous():
                 teacher_logits[:, weight.shape[0] :].zero_()  # the bytes between its rows
@@ -144,8 +135,7 @@ def chunked_forward(
             hard_chunk = _chunk_torch.cross_entropy_chunk_(
                 student_logits,
                 labels[start:end],
-                ignore_index=ignore_index,
-                weight_hard=weight_hard,
+                options=options,
             )
             grad_logits = student_logits.to(weight.dtype)
         del student_logits  # free it before the gradient matmuls
@@ -185,7 +175,7 @@ def chunked_forward(
     # The float32 weight-gradient sum waits for backward, which scales it by
     # grad_output / num_valid and rounds it once.
     return ForwardResult(
-        loss=weight_hard * hard + weight_soft * soft,
+        loss=options.weight_hard * hard + options.weight_soft * soft,
         soft=soft,
         hard=hard,
         inv_num_valid=inv_num_valid,

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ._dispatch import ChunkKernel, ScaledCast
 from ._forward import chunked_forward
+from ._options import LossOptions
 
 
 class FusedLinearJSDFunction(torch.autograd.Function):
@@ -26,11 +27,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
         labels: Tensor,
         bias: Tensor | None,
         teacher_bias: Tensor | None,
-        weight_hard: float,
-        weight_soft: float,
-        beta: float,
-        ignore_index: int,
-        temperature: float,
+        options: LossOptions,
         chunk_size: int,
         chunk_kernel: ChunkKernel,
         grad_enabled: bool,
@@ -38,7 +35,9 @@ class FusedLinearJSDFunction(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor]:
         # needs_input_grad ignores torch.no_grad(), hence grad_enabled from the caller.
         need = [grad_enabled and flag for flag in ctx.needs_input_grad]
-        compute_hard = weight_hard != 0.0 or return_soft_hard_loss
+        compute_soft = (
+            options.weight_soft != 0.0 or return_soft_hard_loss or not options.compute_hard
+        )
         result = chunked_forward(
             x,
             weight,
@@ -47,15 +46,10 @@ class FusedLinearJSDFunction(torch.autograd.Function):
             labels,
             bias,
             teacher_bias,
-            weight_hard=weight_hard,
-            weight_soft=weight_soft,
-            beta=beta,
-            ignore_index=ignore_index,
-            temperature=temperature,
+            options=options,
             chunk_size=chunk_size,
             chunk_kernel=chunk_kernel,
-            compute_hard=compute_hard,
-            compute_soft=weight_soft != 0.0 or return_soft_hard_loss or not compute_hard,
+            compute_soft=compute_soft,
             need_grad_x=need[0],
             need_grad_weight=need[1],
             need_grad_bias=bias is not None and need[5],
@@ -82,7 +76,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
             None if g is None else _scale_to(g, s, dtype, ctx.scaled_cast)
             for g, s, dtype in zip(saved, scales, ctx.dtypes)
         ]
-        return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 10
+        return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 6
 
 
 def _scale_to(grad: Tensor, scale: Tensor, dtype: torch.dtype, scaled_cast: ScaledCast) -> Tensor:

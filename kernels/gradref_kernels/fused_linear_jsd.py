@@ -7,9 +7,10 @@ student's input, weight and bias are computed during the forward pass from the c
 gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
 
 This module is the public face; the parts live in private modules: the argument checks
-(``_validation``), the choice of the per-chunk function (``_dispatch``), the matmuls
-(``_matmuls``), the loop over chunks (``_forward``), the autograd Function (``_function``), and
-the per-chunk math (``_chunk_torch``, ``_chunk_triton``).
+(``_validation``), the loss options handed down as one object (``_options``), the choice of
+the per-chunk function (``_dispatch``), the matmuls (``_matmuls``), the loop over chunks
+(``_forward``), the autograd Function (``_function``), and the per-chunk math
+(``_chunk_torch``, ``_chunk_triton``).
 
 Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs) and the
 teacher logits (in the matmul dtype for the Triton kernel, in float32 for the PyTorch math);
@@ -55,6 +56,7 @@ from torch import Tensor
 from ._dispatch import select_chunk_kernel
 from ._function import FusedLinearJSDFunction
 from ._matmuls import dense
+from ._options import LossOptions
 from ._validation import check_label_range, check_options, check_tensors
 
 __all__ = ["FusedLinearJSDLoss", "fused_linear_jsd"]
@@ -147,6 +149,15 @@ def fused_linear_jsd(
     chunk_kernel = select_chunk_kernel(implementation, student_input.device, student_input.dtype)
     labels = true_labels.reshape(-1).long().contiguous()
     check_label_range(labels, student_weight.shape[0], ignore_index)
+    weight_hard = float(weight_hard_loss)
+    options = LossOptions(
+        beta=float(beta),
+        temperature=float(temperature),
+        ignore_index=ignore_index,
+        weight_hard=weight_hard,
+        weight_soft=float(weight_soft_loss),
+        compute_hard=weight_hard != 0.0 or bool(return_soft_hard_loss),
+    )
     outputs: tuple[Tensor, Tensor, Tensor] = FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
         dense(student_input.reshape(-1, student_input.shape[-1])),
         dense(student_weight),
@@ -155,11 +166,7 @@ def fused_linear_jsd(
         labels,
         student_bias,
         teacher_bias,
-        float(weight_hard_loss),
-        float(weight_soft_loss),
-        float(beta),
-        ignore_index,
-        float(temperature),
+        options,
         chunk_size,
         chunk_kernel,
         torch.is_grad_enabled(),
