@@ -2,9 +2,9 @@
 
     python benchmarks/tune_chunk.py
 
-1. Correctness at the Llama-3 vocabulary against gradref_kernels.reference in float64 with
-   autograd (the logits-level wrapper of tests/kernels/test_chunk_kernels.py), for the
-   portable PyTorch function and the Triton kernel with their shipped defaults, plus
+1. Correctness at the Llama-3 vocabulary against the float64 reference of the per-chunk
+   contract (gradref_kernels._chunk_reference, as in tests/kernels/test_chunk_kernels.py), for
+   the portable PyTorch function and the Triton kernel with their shipped defaults, plus
    run-to-run bitwise equality.
 2. Triton: a BLOCK_V x num_warps sweep for the configuration the fused loss runs on
    CUDA (0 < beta < 1, the three-pass case; bf16 teacher logits and gradient). Set
@@ -29,11 +29,10 @@ from typing import Callable
 import torch
 from triton.testing import do_bench
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT / "kernels"), str(_ROOT / "tests" / "kernels")]
-from gradref_kernels import _chunk_torch, _chunk_triton  # noqa: E402
-from gradref_kernels._options import LossOptions  # noqa: E402
-from test_chunk_kernels import IGNORE_INDEX, chunk_options, chunk_reference  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from gradref_kernels import _chunk_torch, _chunk_triton
+from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
+from gradref_kernels._options import LossOptions
 
 HBM_BYTES_PER_S = 4.3e12
 VOCAB = 128256

@@ -1,10 +1,11 @@
 """The per-chunk kernels against the float64 full-logits reference, differentiated by autograd.
 
 Every case runs on the portable PyTorch chunk function (in one slice, and in slices of a few
-rows with a partial last one) and on the Triton kernel. The reference builds the loss from its
-definition (log-softmax, KL, cross-entropy), so it shares no algebra with the kernels'
-closed-form gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in
-Triton's CPU interpreter.
+rows with a partial last one) and on the Triton kernel. The reference
+(:func:`gradref_kernels._chunk_reference.chunk_reference`) builds the loss from its definition
+(log-softmax, KL, cross-entropy), so it shares no algebra with the kernels' closed-form
+gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in Triton's CPU
+interpreter.
 """
 
 from __future__ import annotations
@@ -14,61 +15,10 @@ import dataclasses
 import pytest
 import torch
 from gradref_kernels import _chunk_torch, _chunk_triton
+from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels._chunk_triton import jsd_chunk_, scaled_cast, triton_unavailable_reason
 from gradref_kernels._options import LossOptions
-from gradref_kernels.reference import jsd_distillation_reference
 from torch import Tensor
-
-IGNORE_INDEX = -100
-
-
-def chunk_options(beta: float, temperature: float, compute_hard: bool = True) -> LossOptions:
-    """Options for checking a chunk function: ``ignore_index`` :data:`IGNORE_INDEX`, and hard
-    and soft weights 0.4 and 0.7 (neither equal nor 1, so a dropped or swapped weight shows)."""
-    return LossOptions(
-        beta=beta,
-        temperature=temperature,
-        ignore_index=IGNORE_INDEX,
-        weight_hard=0.4,
-        weight_soft=0.7,
-        compute_hard=compute_hard,
-    )
-
-
-def chunk_reference(
-    student_logits: Tensor, teacher_logits: Tensor, labels: Tensor, options: LossOptions
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dLoss/dstudent, soft, hard) of the summed loss (the kernels' convention), in float64
-    from the full-logits reference and autograd.
-
-    The reference takes inputs and weights and divides by the number of valid rows; an
-    identity input with the transposed logits as the weight reproduces the logits, and the
-    weight's gradient is the logits' one, transposed.
-    """
-    eye = torch.eye(student_logits.shape[0], dtype=torch.float64, device=student_logits.device)
-    weight = student_logits.double().T.contiguous().requires_grad_(True)
-
-    def loss(weight_hard: float, weight_soft: float) -> Tensor:
-        return jsd_distillation_reference(
-            eye,
-            weight,
-            eye,
-            teacher_logits.double().T,
-            labels,
-            weight_hard_loss=weight_hard,
-            weight_soft_loss=weight_soft,
-            beta=options.beta,
-            ignore_index=options.ignore_index,
-            temperature=options.temperature,
-        )
-
-    soft = loss(0.0, 1.0)
-    hard = loss(1.0, 0.0) if options.compute_hard else torch.zeros_like(soft)
-    num_valid = max(1, int((labels != options.ignore_index).sum()))
-    torch.autograd.backward(num_valid * (options.weight_soft * soft + options.weight_hard * hard))
-    assert weight.grad is not None
-    return weight.grad.T, num_valid * soft.detach(), num_valid * hard.detach()
-
 
 # Small tiles so every row spans several tiles and ends in a partial one.
 BLOCK_V = 64
