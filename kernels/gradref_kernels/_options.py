@@ -1,5 +1,5 @@
-"""The loss options, as one object: what the autograd Function, the chunk loop and the per-chunk
-functions (``_chunk_torch``, ``_chunk_triton``) are handed instead of six separate arguments."""
+"""The loss options as one object, which the public API hands to the autograd Function, the
+chunk loop and the per-chunk functions (``_chunk_torch``, ``_chunk_triton``)."""
 
 from __future__ import annotations
 
