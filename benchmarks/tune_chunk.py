@@ -2,9 +2,9 @@
 
     python benchmarks/tune_chunk.py
 
-1. Correctness at the Llama-3 vocabulary against gradref_kernels.reference in float64 with
-   autograd (the logits-level wrapper of tests/kernels/test_chunk_kernels.py), for the
-   portable PyTorch function and the Triton kernel with their shipped defaults, plus
+1. Correctness at the Llama-3 vocabulary against the float64 reference of the per-chunk
+   contract (gradref_kernels._chunk_reference, as in tests/kernels/test_chunk_kernels.py), for
+   the portable PyTorch function and the Triton kernel with their shipped defaults, plus
    run-to-run bitwise equality.
 2. Triton: a BLOCK_V x num_warps sweep for the configuration the fused loss runs on
    CUDA (0 < beta < 1, the three-pass case; bf16 teacher logits and gradient). Set
@@ -29,11 +29,10 @@ from typing import Callable
 import torch
 from triton.testing import do_bench
 
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(_ROOT / "kernels"), str(_ROOT / "tests" / "kernels")]
-from gradref_kernels import _chunk_torch, _chunk_triton  # noqa: E402
-from test_chunk_kernels import IGNORE, reference  # noqa: E402
-from test_chunk_kernels import chunk_options as options  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from gradref_kernels import _chunk_torch, _chunk_triton
+from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
+from gradref_kernels._options import LossOptions
 
 HBM_BYTES_PER_S = 4.3e12
 VOCAB = 128256
@@ -52,7 +51,7 @@ def make_inputs(n: int, vs: int = VOCAB, vt: int = VOCAB, seed: int = 0) -> Inpu
     student = 2.0 * torch.randn(n, vs, device="cuda", generator=gen)
     teacher = 2.0 * torch.randn(n, vt, device="cuda", generator=gen)
     labels = torch.randint(0, vs, (n,), device="cuda", generator=gen)
-    labels[::7] = IGNORE
+    labels[::7] = IGNORE_INDEX
     return student, teacher, labels
 
 
@@ -78,22 +77,32 @@ def fused_loss_args(kernel: str, inputs: Inputs) -> Args:
 
 
 def run_triton(
-    args: Args, config: tuple[int, int] | None = None, **opts: object
+    args: Args, options: LossOptions, config: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     student, teacher, labels, grad_out = args
     if config is None:
-        return _chunk_triton.jsd_chunk_(student, teacher, labels, grad_out=grad_out, **opts)  # type: ignore[arg-type]
+        return _chunk_triton.jsd_chunk_(
+            student, teacher, labels, grad_out=grad_out, options=options
+        )
     block_v, num_warps = config
-    return _chunk_triton._launch(  # type: ignore[arg-type]
-        student, teacher, labels, grad_out=grad_out, **opts, block_v=block_v, num_warps=num_warps
+    return _chunk_triton._launch(
+        student,
+        teacher,
+        labels,
+        grad_out=grad_out,
+        options=options,
+        block_v=block_v,
+        num_warps=num_warps,
     )
 
 
-def run_torch(args: Args, slice_rows: int = 0, **opts: object) -> tuple[torch.Tensor, torch.Tensor]:
+def run_torch(
+    args: Args, options: LossOptions, slice_rows: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     student, teacher, labels, grad_out = args
     if not slice_rows:  # the shipped default
-        return _chunk_torch.jsd_chunk_(student, teacher, labels, grad_out=grad_out, **opts)  # type: ignore[arg-type]
-    return _chunk_torch._chunk_(student, teacher, labels, grad_out, slice_rows, **opts)  # type: ignore[arg-type]
+        return _chunk_torch.jsd_chunk_(student, teacher, labels, grad_out=grad_out, options=options)
+    return _chunk_torch._chunk_(student, teacher, labels, grad_out, slice_rows, options=options)
 
 
 KERNELS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
@@ -115,14 +124,13 @@ def check_correctness() -> bool:
     for beta, temperature, hard, vs, vt in cases:
         inputs = make_inputs(64, vs, vt, seed=1)
         labels = inputs[2]
-        valid = labels != IGNORE
-        ref_grad, ref_soft, ref_hard = reference(
-            *inputs, beta=beta, temperature=temperature, compute_hard=hard
-        )
+        valid = labels != IGNORE_INDEX
+        options = chunk_options(beta, temperature, hard)
+        ref_grad, ref_soft, ref_hard = chunk_reference(*inputs, options)
         ref_grad = ref_grad[valid]
         for name, run in KERNELS.items():
             runs = [fp32_args(inputs), fp32_args(inputs)]
-            losses = [run(args, **options(beta, temperature, hard)) for args in runs]
+            losses = [run(args, options) for args in runs]
             grad = runs[0][3][valid]
             soft, hard_loss = losses[0]
             grad_err = ((grad.double() - ref_grad).abs().max() / ref_grad.abs().max()).item()
@@ -144,7 +152,7 @@ def check_correctness() -> bool:
 def bytes_moved(labels: torch.Tensor, vs: int, vt: int, beta: float) -> int:
     """HBM traffic of one Triton call (fp32 student, bf16 teacher and gradient), by the pass
     structure in the _chunk_triton docstring."""
-    ignored = int((labels == IGNORE).sum())
+    ignored = int((labels == IGNORE_INDEX).sum())
     valid = labels.numel() - ignored
     read_pass = 4 * vs + 2 * vt
     passes = 2 if beta in (0.0, 1.0) else 3
@@ -177,7 +185,7 @@ def sweep_triton() -> None:
         moved = bytes_moved(inputs[2], VOCAB, VOCAB, 0.5)
         timings = {}
         for config in tiles:
-            run = partial(run_triton, args, config, **options(0.5, 1.0, True))
+            run = partial(run_triton, args, chunk_options(0.5, 1.0), config)
             timings[config] = bench(run)
             report(f"BLOCK_V={config[0]} num_warps={config[1]}", n, timings[config], moved)
         block_v, num_warps = min(timings, key=timings.__getitem__)
@@ -191,7 +199,7 @@ def sweep_torch() -> None:
         args = fused_loss_args("torch", inputs)
         moved = bytes_moved(inputs[2], VOCAB, VOCAB, 0.5)
         for rows in (256, 342, 512, n):
-            ms = bench(partial(run_torch, args, rows, **options(0.5, 1.0, True)))
+            ms = bench(partial(run_torch, args, chunk_options(0.5, 1.0), rows))
             report(f"rows per slice {rows if rows < n else 'all'}", n, ms, moved)
 
 
@@ -210,7 +218,7 @@ def variants_table() -> None:
             moved = bytes_moved(inputs[2], VOCAB, VOCAB, beta)
             for kernel, run in KERNELS.items():
                 args = fused_loss_args(kernel, inputs)
-                ms = bench(partial(run, args, **options(beta, temperature, hard)))
+                ms = bench(partial(run, args, chunk_options(beta, temperature, hard)))
                 report(f"{kernel:<7} {name}", n, ms, moved)
 
 

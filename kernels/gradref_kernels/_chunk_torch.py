@@ -51,6 +51,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._options import LossOptions
+
 # Rows per slice: a slice buffer holds at most about this many elements (256 MiB in float32,
 # 523 rows of the Llama-3 vocabulary; a chunk is cut into equal slices below that). The
 # slices bound the scratch memory (one buffer for bf16 inputs at temperature 1, up to four)
@@ -117,10 +119,7 @@ def _slice_(
     label_log_p: Tensor | None,
     buffers: list[Tensor],
     *,
-    beta: float,
-    temperature: float,
-    weight_hard: float,
-    weight_soft: float,
+    options: LossOptions,
 ) -> None:
     """One slice of ``r`` rows: the row sums of :func:`_soft_loss_terms` into ``sums``
     (3, r), log softmax(z) at the label into ``label_log_p`` (r, 1) when the hard loss is
@@ -131,6 +130,8 @@ def _slice_(
     ``buffers`` from :func:`_slice_buffers`. ``grad_out`` may lie in the teacher logits' storage
     (row i within rows 0..i): it is written last, by an op that reads neither logits tensor.
     """
+    beta, temperature = options.beta, options.temperature
+    weight_hard, weight_soft = options.weight_hard, options.weight_soft
     rows, vocab_s = student.shape
     vocab_t = teacher.shape[1]
     views = [b[:rows] for b in buffers]
@@ -246,27 +247,20 @@ def _chunk_(
     grad_out: Tensor,
     slice_rows: int,
     *,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
+    options: LossOptions,
 ) -> tuple[Tensor, Tensor]:
     """:func:`jsd_chunk_` in slices of ``slice_rows`` rows."""
     rows = teacher_logits.shape[0]
-    valid, safe_labels = _row_setup(labels, ignore_index)
-    coefficients = _soft_loss_terms(beta)
+    valid, safe_labels = _row_setup(labels, options.ignore_index)
+    coefficients = _soft_loss_terms(options.beta)
     sums = student_logits.new_empty((len(coefficients), rows))
-    label_log_p = student_logits.new_empty((rows, 1)) if compute_hard else None
-    options = {
-        "beta": beta,
-        "temperature": temperature,
-        "weight_hard": weight_hard,
-        "weight_soft": weight_soft,
-    }
+    label_log_p = student_logits.new_empty((rows, 1)) if options.compute_hard else None
     buffers = _slice_buffers(
-        student_logits, teacher_logits, min(slice_rows, rows), temperature, compute_hard
+        student_logits,
+        teacher_logits,
+        min(slice_rows, rows),
+        options.temperature,
+        options.compute_hard,
     )
     for start in range(0, rows, slice_rows):
         part = slice(start, start + slice_rows)
@@ -278,7 +272,7 @@ def _chunk_(
             sums[:, part],
             None if label_log_p is None else label_log_p[part],
             buffers,
-            **options,
+            options=options,
         )
     soft_rows = torch.zeros_like(sums[0])
     for coefficient, row_sums in zip(coefficients, sums):
@@ -295,12 +289,7 @@ def jsd_chunk_(
     labels: Tensor,
     *,
     grad_out: Tensor,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
+    options: LossOptions,
 ) -> tuple[Tensor, Tensor]:
     """Summed losses and logits-gradient of one chunk of rows.
 
@@ -312,7 +301,8 @@ def jsd_chunk_(
             ``Vt > Vs`` the temperature-scaled student logits are padded with zeros to ``Vt``
             columns (Liger-Kernel's convention for a teacher vocabulary padded for
             efficiency). Used as scratch: undefined afterwards, but for ``grad_out``.
-        labels: (n,) int64 class indices into the student vocabulary, or ``ignore_index``.
+        labels: (n,) int64 class indices into the student vocabulary, or
+            ``options.ignore_index``.
         grad_out: (n, Vs), any floating dtype: receives d(Loss)/dlogits, rounded once, where
             ``Loss = weight_soft * soft + weight_hard * hard`` summed over the valid rows.
             Rows whose label is ``ignore_index`` receive unspecified values (finite for finite
@@ -321,12 +311,8 @@ def jsd_chunk_(
             (the fused loss packs the bfloat16 gradient at the start of the float32 teacher
             logits' storage): slices are written in order, each after the teacher logits of
             its rows (and so of every row before) are read.
-        beta: weight of the teacher in the mixture, in [0, 1]; 0 is KL(T||S), 1 is KL(S||T).
-        temperature: positive; scales both logits for the soft loss only.
-        ignore_index: label value of rows that are left out.
-        weight_hard: weight of the hard (cross-entropy) loss in the gradient.
-        weight_soft: weight of the soft (JSD) loss in the gradient.
-        compute_hard: whether to compute the hard loss (and its gradient) at all.
+        options: beta, temperature, ignore_index, the weights, and whether to compute the hard
+            loss (:class:`~gradref_kernels._options.LossOptions`).
 
     Returns:
         (soft_sum, hard_sum): 0-dim tensors, this chunk's unweighted soft and hard losses
@@ -340,12 +326,7 @@ def jsd_chunk_(
         labels,
         grad_out,
         max(1, -(-rows // max(1, slices))),
-        beta=beta,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        weight_hard=weight_hard,
-        weight_soft=weight_soft,
-        compute_hard=compute_hard,
+        options=options,
     )
 
 
@@ -360,9 +341,7 @@ def scaled_cast(
     return torch.mul(source, scale, out=out)
 
 
-def cross_entropy_chunk_(
-    logits: Tensor, labels: Tensor, *, ignore_index: int, weight_hard: float
-) -> Tensor:
+def cross_entropy_chunk_(logits: Tensor, labels: Tensor, *, options: LossOptions) -> Tensor:
     """Hard loss only, for calls whose soft loss is neither weighted nor returned.
 
     ``logits`` (n, V) float32/float64 raw student logits, OVERWRITTEN with
@@ -370,12 +349,12 @@ def cross_entropy_chunk_(
     rows: unspecified, as in :func:`jsd_chunk_`); returns this chunk's unweighted hard loss
     summed over its valid rows, as a 0-dim tensor. Needs no extra (n, V) buffer.
     """
-    valid, safe_labels = _row_setup(labels, ignore_index)
+    valid, safe_labels = _row_setup(labels, options.ignore_index)
     target = logits.gather(1, safe_labels)
     row_max = logits.amax(dim=-1, keepdim=True)
     probs = logits.sub_(row_max).exp_()
     row_sum = probs.sum(dim=-1, keepdim=True)
     hard_rows = row_max + row_sum.log() - target
-    probs.mul_(weight_hard / row_sum)
-    probs.scatter_add_(1, safe_labels, probs.new_full(safe_labels.shape, -weight_hard))
+    probs.mul_(options.weight_hard / row_sum)
+    probs.scatter_add_(1, safe_labels, probs.new_full(safe_labels.shape, -options.weight_hard))
     return _masked_sum(hard_rows, valid)

@@ -34,6 +34,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._options import LossOptions
+
 try:
     import triton
     import triton.language as tl
@@ -393,16 +395,14 @@ def _launch(
     labels: Tensor,
     *,
     grad_out: Tensor,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
+    options: LossOptions,
     block_v: int,
     num_warps: int,
 ) -> tuple[Tensor, Tensor]:
     """``jsd_chunk_`` with an explicit launch configuration (for tests and tuning)."""
+    beta, temperature, ignore_index = options.beta, options.temperature, options.ignore_index
+    weight_hard, weight_soft = options.weight_hard, options.weight_soft
+    compute_hard = options.compute_hard
     n, vs = student_logits.shape
     vt = teacher_logits.shape[1]
     _check(student_logits, teacher_logits, labels, grad_out, beta, temperature)
@@ -498,12 +498,7 @@ def jsd_chunk_(
     labels: Tensor,
     *,
     grad_out: Tensor,
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
+    options: LossOptions,
 ) -> tuple[Tensor, Tensor]:
     """Loss and logit gradient of one chunk; the Triton twin of ``_chunk_torch.jsd_chunk_``.
 
@@ -517,6 +512,7 @@ def jsd_chunk_(
     ignore_index get zeros (the contract leaves them unspecified). It may be
     teacher_logits[:, :Vs] itself, as in the fused loss: each tile is read before the gradient
     is written over it, so the matmuls take the gradient in their dtype with no extra buffer.
+    options: the loss options (:class:`~gradref_kernels._options.LossOptions`).
 
     Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses summed over its
     valid rows (hard_sum is zero when not compute_hard).
@@ -527,12 +523,7 @@ def jsd_chunk_(
         teacher_logits,
         labels,
         grad_out=grad_out,
-        beta=beta,
-        temperature=temperature,
-        ignore_index=ignore_index,
-        weight_hard=weight_hard,
-        weight_soft=weight_soft,
-        compute_hard=compute_hard,
+        options=options,
         block_v=block_v,
         num_warps=num_warps,
     )

@@ -1,26 +1,25 @@
 """The per-chunk kernels against the float64 full-logits reference, differentiated by autograd.
 
 Every case runs on the portable PyTorch chunk function (in one slice, and in slices of a few
-rows with a partial last one) and on the Triton kernel. The reference builds the loss from its
-definition (log-softmax, KL, cross-entropy), so it shares no algebra with the kernels'
-closed-form gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in
-Triton's CPU interpreter.
+rows with a partial last one) and on the Triton kernel. The reference
+(:func:`gradref_kernels._chunk_reference.chunk_reference`) builds the loss from its definition
+(log-softmax, KL, cross-entropy), so it shares no algebra with the kernels' closed-form
+gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in Triton's CPU
+interpreter.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import pytest
 import torch
 from gradref_kernels import _chunk_torch, _chunk_triton
+from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels._chunk_triton import jsd_chunk_, scaled_cast, triton_unavailable_reason
-from gradref_kernels.reference import jsd_distillation_reference
+from gradref_kernels._options import LossOptions
 from torch import Tensor
 
-IGNORE = -100
-WEIGHT_HARD, WEIGHT_SOFT = 0.4, 0.7
 # Small tiles so every row spans several tiles and ends in a partial one.
 BLOCK_V = 64
 RTOL = 1e-5
@@ -34,21 +33,9 @@ LOSS_ATOL = 1e-6
 SLICE_ROWS = 4
 
 
-def chunk_options(beta: float, temperature: float, compute_hard: bool = True) -> dict[str, Any]:
-    """The keyword options of a chunk function, with this module's weights and ignore_index."""
-    return {
-        "beta": beta,
-        "temperature": temperature,
-        "ignore_index": IGNORE,
-        "weight_hard": WEIGHT_HARD,
-        "weight_soft": WEIGHT_SOFT,
-        "compute_hard": compute_hard,
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class ChunkKernel:
-    """One per-chunk implementation, called with the test's fixed weights and ignore_index."""
+    """One per-chunk implementation."""
 
     name: str
     device: torch.device
@@ -60,18 +47,23 @@ class ChunkKernel:
         labels: Tensor,
         *,
         grad_out: Tensor,
-        beta: float,
-        temperature: float,
-        compute_hard: bool,
+        options: LossOptions,
     ) -> tuple[Tensor, Tensor]:
-        options = chunk_options(beta, temperature, compute_hard)
         if self.name == "triton":
             return _chunk_triton._launch(
-                student, teacher, labels, grad_out=grad_out, block_v=BLOCK_V, num_warps=4, **options
+                student,
+                teacher,
+                labels,
+                grad_out=grad_out,
+                options=options,
+                block_v=BLOCK_V,
+                num_warps=4,
             )
         if self.name == "torch-slices":
-            return _chunk_torch._chunk_(student, teacher, labels, grad_out, SLICE_ROWS, **options)
-        return _chunk_torch.jsd_chunk_(student, teacher, labels, grad_out=grad_out, **options)
+            return _chunk_torch._chunk_(
+                student, teacher, labels, grad_out, SLICE_ROWS, options=options
+            )
+        return _chunk_torch.jsd_chunk_(student, teacher, labels, grad_out=grad_out, options=options)
 
 
 @pytest.fixture(params=["torch", "torch-slices", "triton"])
@@ -92,60 +84,12 @@ def make_inputs(
     student = 2.0 * torch.randn(n, vs, generator=gen)
     teacher = 2.0 * torch.randn(n, vt, generator=gen)
     labels = torch.randint(0, vs, (n,), generator=gen)
-    labels[list(ignored)] = IGNORE
+    labels[list(ignored)] = IGNORE_INDEX
     return student.to(device), teacher.to(device), labels.to(device)
 
 
-def reference(
-    student: Tensor,
-    teacher: Tensor,
-    labels: Tensor,
-    *,
-    beta: float,
-    temperature: float,
-    compute_hard: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dLoss/dstudent, soft, hard) of the summed loss (the kernels' convention), in float64
-    from the full-logits reference and autograd.
-
-    The reference takes inputs and weights and divides by the number of valid rows; an
-    identity input with the transposed logits as the weight reproduces the logits, and the
-    weight's gradient is the logits' one, transposed.
-    """
-    eye = torch.eye(student.shape[0], dtype=torch.float64, device=student.device)
-    weight = student.double().T.contiguous().requires_grad_(True)
-
-    def loss(weight_hard: float, weight_soft: float) -> Tensor:
-        return jsd_distillation_reference(
-            eye,
-            weight,
-            eye,
-            teacher.double().T,
-            labels,
-            weight_hard_loss=weight_hard,
-            weight_soft_loss=weight_soft,
-            beta=beta,
-            ignore_index=IGNORE,
-            temperature=temperature,
-        )
-
-    soft = loss(0.0, 1.0)
-    hard = loss(1.0, 0.0) if compute_hard else torch.zeros_like(soft)
-    num_valid = max(1, int((labels != IGNORE).sum()))
-    (num_valid * (WEIGHT_SOFT * soft + WEIGHT_HARD * hard)).backward()
-    assert weight.grad is not None
-    return weight.grad.T, num_valid * soft.detach(), num_valid * hard.detach()
-
-
 def run_kernel(
-    kernel: ChunkKernel,
-    student: Tensor,
-    teacher: Tensor,
-    labels: Tensor,
-    *,
-    beta: float,
-    temperature: float,
-    compute_hard: bool,
+    kernel: ChunkKernel, student: Tensor, teacher: Tensor, labels: Tensor, options: LossOptions
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(gradient, soft, hard) of the kernel on copies of the logits; the gradient is written
     over the teacher logits, as the fused loss does. The gradient rows of ignored labels are
@@ -153,17 +97,9 @@ def run_kernel(
     out = teacher.clone()
     vocab_s = student.shape[1]
     grad = out[:, :vocab_s]
-    soft, hard = kernel(
-        student.clone(),
-        out,
-        labels,
-        grad_out=grad,
-        beta=beta,
-        temperature=temperature,
-        compute_hard=compute_hard,
-    )
+    soft, hard = kernel(student.clone(), out, labels, grad_out=grad, options=options)
     assert grad.isfinite().all(), "every gradient row, ignored ones included, must be finite"
-    return grad.masked_fill((labels == IGNORE).unsqueeze(1), 0.0), soft, hard
+    return grad.masked_fill((labels == IGNORE_INDEX).unsqueeze(1), 0.0), soft, hard
 
 
 def assert_close_to_float64(
@@ -176,18 +112,10 @@ def assert_close_to_float64(
 
 
 def assert_matches_reference(
-    kernel: ChunkKernel,
-    student: Tensor,
-    teacher: Tensor,
-    labels: Tensor,
-    *,
-    beta: float,
-    temperature: float,
-    compute_hard: bool,
+    kernel: ChunkKernel, student: Tensor, teacher: Tensor, labels: Tensor, options: LossOptions
 ) -> None:
-    kwargs = {"beta": beta, "temperature": temperature, "compute_hard": compute_hard}
-    grad, soft, hard = run_kernel(kernel, student, teacher, labels, **kwargs)
-    ref_grad, ref_soft, ref_hard = reference(student, teacher, labels, **kwargs)
+    grad, soft, hard = run_kernel(kernel, student, teacher, labels, options)
+    ref_grad, ref_soft, ref_hard = chunk_reference(student, teacher, labels, options)
     assert_close_to_float64(grad, soft, hard, ref_grad, ref_soft, ref_hard)
     assert soft.dim() == hard.dim() == 0
 
@@ -199,15 +127,8 @@ def test_matches_float64(
     kernel: ChunkKernel, beta: float, temperature: float, compute_hard: bool
 ) -> None:
     student, teacher, labels = make_inputs(kernel.device)
-    assert_matches_reference(
-        kernel,
-        student,
-        teacher,
-        labels,
-        beta=beta,
-        temperature=temperature,
-        compute_hard=compute_hard,
-    )
+    options = chunk_options(beta, temperature, compute_hard)
+    assert_matches_reference(kernel, student, teacher, labels, options)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
@@ -217,26 +138,20 @@ def test_teacher_vocabulary_larger_pads_student(
 ) -> None:
     # At temperature 1 the hard loss's log-sum-exp must leave the padding columns out.
     student, teacher, labels = make_inputs(kernel.device, vs=150, vt=195)
-    assert_matches_reference(
-        kernel, student, teacher, labels, beta=beta, temperature=temperature, compute_hard=True
-    )
+    assert_matches_reference(kernel, student, teacher, labels, chunk_options(beta, temperature))
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
 def test_single_row(kernel: ChunkKernel, beta: float) -> None:
     student, teacher, labels = make_inputs(kernel.device, n=1, vs=70, vt=70, ignored=())
-    assert_matches_reference(
-        kernel, student, teacher, labels, beta=beta, temperature=2.0, compute_hard=True
-    )
+    assert_matches_reference(kernel, student, teacher, labels, chunk_options(beta, 2.0))
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_all_rows_ignored(kernel: ChunkKernel, beta: float) -> None:
     student, teacher, labels = make_inputs(kernel.device, n=3, ignored=(0, 1, 2))
     # run_kernel checks that the (unspecified) gradient rows are finite.
-    _, soft, hard = run_kernel(
-        kernel, student, teacher, labels, beta=beta, temperature=1.0, compute_hard=True
-    )
+    _, soft, hard = run_kernel(kernel, student, teacher, labels, chunk_options(beta, 1.0))
     assert soft.item() == 0.0
     assert hard.item() == 0.0
 
@@ -247,14 +162,12 @@ def test_teacher_with_zero_probabilities(kernel: ChunkKernel, beta: float) -> No
     student, teacher, labels = make_inputs(kernel.device)
     teacher[:, ::3] = -1e30
     teacher[2, :BLOCK_V] = -1e30  # a whole tile of zeros
-    assert_matches_reference(
-        kernel, student, teacher, labels, beta=beta, temperature=0.5, compute_hard=True
-    )
+    options = chunk_options(beta, 0.5)
+    assert_matches_reference(kernel, student, teacher, labels, options)
     # -inf gives the same zeros; the kernel must not turn 0 * log 0 into NaN.
-    kwargs = {"beta": beta, "temperature": 0.5, "compute_hard": True}
-    finite = run_kernel(kernel, student, teacher, labels, **kwargs)
+    finite = run_kernel(kernel, student, teacher, labels, options)
     teacher_inf = teacher.masked_fill(teacher == -1e30, float("-inf"))
-    infinite = run_kernel(kernel, student, teacher_inf, labels, **kwargs)
+    infinite = run_kernel(kernel, student, teacher_inf, labels, options)
     for a, b in zip(finite, infinite):
         assert torch.equal(a, b)
 
@@ -262,9 +175,9 @@ def test_teacher_with_zero_probabilities(kernel: ChunkKernel, beta: float) -> No
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_bitwise_reproducible(kernel: ChunkKernel, beta: float) -> None:
     student, teacher, labels = make_inputs(kernel.device)
-    kwargs = {"beta": beta, "temperature": 2.0, "compute_hard": True}
-    first = run_kernel(kernel, student, teacher, labels, **kwargs)
-    second = run_kernel(kernel, student, teacher, labels, **kwargs)
+    options = chunk_options(beta, 2.0)
+    first = run_kernel(kernel, student, teacher, labels, options)
+    second = run_kernel(kernel, student, teacher, labels, options)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -275,16 +188,16 @@ def test_bf16_teacher_logits(kernel: ChunkKernel, beta: float) -> None:
     # the gradient written over them in bf16, rounded once from the fp32 result.
     student, teacher, labels = make_inputs(kernel.device, vs=150, vt=170)
     teacher_bf16 = teacher.to(torch.bfloat16)
-    kwargs = {"beta": beta, "temperature": 2.0, "compute_hard": True}
+    options = chunk_options(beta, 2.0)
     grad_fp32, soft_fp32, hard_fp32 = run_kernel(
-        kernel, student, teacher_bf16.float(), labels, **kwargs
+        kernel, student, teacher_bf16.float(), labels, options
     )
-    grad_bf16, soft, hard = run_kernel(kernel, student, teacher_bf16, labels, **kwargs)
+    grad_bf16, soft, hard = run_kernel(kernel, student, teacher_bf16, labels, options)
     assert grad_bf16.dtype == torch.bfloat16
     torch.testing.assert_close(soft, soft_fp32, rtol=1e-6, atol=0.0)
     torch.testing.assert_close(hard, hard_fp32, rtol=1e-6, atol=0.0)
     # The bf16 teacher is read exactly: the result is the float64 answer for those logits.
-    ref_grad, ref_soft, ref_hard = reference(student, teacher_bf16.float(), labels, **kwargs)
+    ref_grad, ref_soft, ref_hard = chunk_reference(student, teacher_bf16.float(), labels, options)
     assert_close_to_float64(grad_fp32, soft, hard, ref_grad, ref_soft, ref_hard)
     # The fp32 gradient rounded once, to nearest even, on every backend.
     assert torch.equal(grad_bf16, grad_fp32.bfloat16())
@@ -302,13 +215,15 @@ def test_torch_bf16_gradient_over_float32_teacher(
     options = chunk_options(beta, 1.0)
     grad_fp32 = torch.empty_like(student)
     expected = _chunk_torch._chunk_(
-        student.clone(), teacher.clone(), labels, grad_fp32, SLICE_ROWS, **options
+        student.clone(), teacher.clone(), labels, grad_fp32, SLICE_ROWS, options=options
     )
     shared = teacher.clone()
     grad_bf16 = shared.view(-1).view(torch.bfloat16)[: 200 * shared.shape[0]].view(-1, 200)
-    losses = _chunk_torch._chunk_(student.clone(), shared, labels, grad_bf16, SLICE_ROWS, **options)
+    losses = _chunk_torch._chunk_(
+        student.clone(), shared, labels, grad_bf16, SLICE_ROWS, options=options
+    )
     assert torch.equal(torch.stack(losses), torch.stack(expected))
-    valid = labels != IGNORE
+    valid = labels != IGNORE_INDEX
     # Rounded once from the same float32 result.
     assert torch.equal(grad_bf16[valid], grad_fp32[valid].bfloat16())
 
@@ -317,13 +232,15 @@ def test_torch_bf16_gradient_over_float32_teacher(
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
 def test_matches_torch_chunk(triton_device: torch.device, beta: float, temperature: float) -> None:
     student, teacher, labels = make_inputs(triton_device, vs=150, vt=170)
-    kwargs = chunk_options(beta, temperature)
+    options = chunk_options(beta, temperature)
     out_triton, out_torch = teacher.clone(), teacher.clone()
-    losses_triton = jsd_chunk_(student, out_triton, labels, grad_out=out_triton[:, :150], **kwargs)
-    losses_torch = _chunk_torch.jsd_chunk_(
-        student.clone(), out_torch, labels, grad_out=out_torch[:, :150], **kwargs
+    losses_triton = jsd_chunk_(
+        student, out_triton, labels, grad_out=out_triton[:, :150], options=options
     )
-    valid = labels != IGNORE
+    losses_torch = _chunk_torch.jsd_chunk_(
+        student.clone(), out_torch, labels, grad_out=out_torch[:, :150], options=options
+    )
+    valid = labels != IGNORE_INDEX
     grad_triton, grad_torch = out_triton[valid, :150], out_torch[valid, :150]
     atol = GRAD_ATOL_SCALE * grad_torch.abs().max().item()
     torch.testing.assert_close(grad_triton, grad_torch, rtol=RTOL, atol=atol)
@@ -332,17 +249,20 @@ def test_matches_torch_chunk(triton_device: torch.device, beta: float, temperatu
 
 def test_rejects_bad_input(triton_device: torch.device) -> None:
     student, teacher, labels = make_inputs(triton_device)
-    kwargs = chunk_options(0.5, 1.0)
+    options = chunk_options(0.5, 1.0)
     with pytest.raises(TypeError, match="fp32"):
-        jsd_chunk_(student.double(), teacher, labels, grad_out=student, **kwargs)
+        jsd_chunk_(student.double(), teacher, labels, grad_out=student, options=options)
     with pytest.raises(ValueError, match="at least its 200 columns"):
-        jsd_chunk_(student, teacher[:, :100].contiguous(), labels, grad_out=student, **kwargs)
+        jsd_chunk_(
+            student, teacher[:, :100].contiguous(), labels, grad_out=student, options=options
+        )
     with pytest.raises(ValueError, match="labels must be contiguous int64"):
-        jsd_chunk_(student, teacher, labels.int(), grad_out=student, **kwargs)
+        jsd_chunk_(student, teacher, labels.int(), grad_out=student, options=options)
+    bad_beta = dataclasses.replace(options, beta=1.5)
     with pytest.raises(ValueError, match="beta"):
-        jsd_chunk_(student, teacher, labels, grad_out=student, **{**kwargs, "beta": 1.5})
+        jsd_chunk_(student, teacher, labels, grad_out=student, options=bad_beta)
     with pytest.raises(ValueError, match="grad_out must be a floating"):
-        jsd_chunk_(student, teacher, labels, grad_out=student[:, :10], **kwargs)
+        jsd_chunk_(student, teacher, labels, grad_out=student[:, :10], options=options)
 
 
 def test_out_of_range_label_poisons_the_hard_loss(triton_device: torch.device) -> None:
@@ -350,9 +270,7 @@ def test_out_of_range_label_poisons_the_hard_loss(triton_device: torch.device) -
     student, teacher, labels = make_inputs(triton_device)
     labels[0] = student.shape[1]
     triton = ChunkKernel("triton", triton_device)
-    _, soft, hard = run_kernel(
-        triton, student, teacher, labels, beta=0.5, temperature=1.0, compute_hard=True
-    )
+    _, soft, hard = run_kernel(triton, student, teacher, labels, chunk_options(0.5, 1.0))
     assert hard.isnan()
     assert soft.isfinite()
 

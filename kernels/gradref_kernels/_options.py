@@ -1,0 +1,30 @@
+"""The loss options as one object, which the public API hands to the autograd Function, the
+chunk loop and the per-chunk functions (``_chunk_torch``, ``_chunk_triton``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The options of one loss call, checked by the public API before they get here."""
+
+    beta: float
+    """Weight of the teacher in the mixture, in [0, 1]; 0 is KL(T||S), 1 is KL(S||T)."""
+
+    temperature: float
+    """Positive; scales both logits for the soft loss only."""
+
+    ignore_index: int
+    """Label value of rows that are left out of both losses."""
+
+    weight_hard: float
+    """Weight of the hard (cross-entropy) loss in the loss and its gradient."""
+
+    weight_soft: float
+    """Weight of the soft (JSD) loss in the loss and its gradient."""
+
+    compute_hard: bool
+    """Whether to compute the hard loss (and its gradient) at all: its weight is nonzero, or it
+    is returned."""
