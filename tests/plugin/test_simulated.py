@@ -185,8 +185,9 @@ def test_command_line_none_overrides_the_ini_key(pytester: pytest.Pytester) -> N
         """
 import sys
 
-def test_real_cpu(gradref_device):
-    assert gradref_device.type == "cpu" and "torch_npu" not in sys.modules
+def test_real_device(gradref_device):
+    # auto takes the first real device: cuda where there is one, else the cpu
+    assert gradref_device.type in ("cuda", "cpu") and "torch_npu" not in sys.modules
 """
     )
     result = pytester.runpytest_subprocess("--gradref-simulate=none", "--gradref-device=auto")
