@@ -517,7 +517,8 @@ def jsd_chunk_(
     Returns (soft_sum, hard_sum): 0-dim fp32, this chunk's unweighted losses summed over its
     valid rows (hard_sum is zero when not compute_hard).
     """
-    block_v, num_warps = _default_config(*teacher_logits.shape, _mode(options.beta))
+    rows, vocab_t = teacher_logits.shape
+    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta))
     return _launch(
         student_logits,
         teacher_logits,
