@@ -6,9 +6,10 @@
    contract (gradref_kernels._chunk_reference, as in tests/kernels/test_chunk_kernels.py), for
    the portable PyTorch function and the Triton kernel with their shipped defaults, plus
    run-to-run bitwise equality.
-2. Triton: a BLOCK_V x num_warps sweep for the configuration the fused loss runs on
-   CUDA (0 < beta < 1, the three-pass case; bf16 teacher logits and gradient). Set
-   _chunk_triton._default_config from its "best" lines.
+2. Triton: a BLOCK_V x num_warps sweep in the fused loss's layout (bf16 teacher logits and
+   gradient) for the mixture (0 < beta < 1, three passes) and the KL endpoints (beta 0 and 1,
+   two passes), at temperature 1 and 2, for 256 rows and the chunk sizes. Set
+   _chunk_triton._default_config from its "best" lines (each names the shipped choice's time).
 3. PyTorch: a sweep of the rows per slice (set _chunk_torch.SLICE_ELEMENTS from it).
 4. Both kernels with their defaults across loss variants.
 
@@ -176,20 +177,34 @@ def header(title: str) -> None:
     print(f"  {'variant':<48} {'n':>5} {'ms':>8} {'GB/s':>8} {'%peak':>7} {'floor':>8}")
 
 
+# (beta, temperature) of the sweep: the mixture's three-pass kernel and the KL endpoints'
+# two-pass ones, each with and without a shared softmax (temperature 1 or 2).
+SWEEP_LOSSES = [(0.5, 1.0), (0.5, 2.0), (0.0, 1.0), (0.0, 2.0), (1.0, 1.0), (1.0, 2.0)]
+SWEEP_ROWS = (256, *CHUNKS)
+
+
 def sweep_triton() -> None:
-    header(f"Triton sweep: beta=0.5, tau=1, hard loss, V={VOCAB}, bf16 teacher and gradient")
-    tiles = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
-    for n in CHUNKS:
-        inputs = make_inputs(n)
-        args = fused_loss_args("triton", inputs)
-        moved = bytes_moved(inputs[2], VOCAB, VOCAB, 0.5)
-        timings = {}
-        for config in tiles:
-            run = partial(run_triton, args, chunk_options(0.5, 1.0), config)
-            timings[config] = bench(run)
-            report(f"BLOCK_V={config[0]} num_warps={config[1]}", n, timings[config], moved)
-        block_v, num_warps = min(timings, key=timings.__getitem__)
-        print(f"  best for n={n}: BLOCK_V={block_v} num_warps={num_warps}")
+    header(f"Triton sweep: hard loss, V={VOCAB}, bf16 teacher and gradient")
+    tiles = [(1024, 4), (2048, 4), (2048, 8), (2048, 16), (4096, 8), (4096, 16), (8192, 16)]
+    for beta, temperature in SWEEP_LOSSES:
+        for n in SWEEP_ROWS:
+            inputs = make_inputs(n)
+            args = fused_loss_args("triton", inputs)
+            moved = bytes_moved(inputs[2], VOCAB, VOCAB, beta)
+            options = chunk_options(beta, temperature)
+            timings = {}
+            for config in tiles:
+                timings[config] = bench(partial(run_triton, args, options, config))
+                name = f"beta={beta} tau={temperature} BLOCK_V={config[0]} num_warps={config[1]}"
+                report(name, n, timings[config], moved)
+            block_v, num_warps = min(timings, key=timings.__getitem__)
+            mode = _chunk_triton._mode(beta)
+            shipped = _chunk_triton._default_config(n, VOCAB, mode, temperature == 1.0)
+            print(
+                f"  best for beta={beta} tau={temperature} n={n}: BLOCK_V={block_v} "
+                f"num_warps={num_warps} ({timings[block_v, num_warps]:.3f} ms; shipped "
+                f"{shipped[0]} x {shipped[1]}: {timings.get(shipped, float('nan')):.3f} ms)"
+            )
 
 
 def sweep_torch() -> None:

@@ -361,19 +361,24 @@ def _mode(beta: float) -> int:
     return _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
 
 
-def _default_config(n: int, vt: int, mode: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for n rows of vt columns in soft-loss ``mode``.
+def _default_config(n: int, vt: int, mode: int, shared_softmax: bool) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for n rows of vt columns in soft-loss ``mode``; ``shared_softmax``
+    when the hard loss's softmax is S itself (temperature 1, one vocabulary).
 
-    From do_bench sweeps on an H200 (V = 128256, bf16 teacher and gradient written over it,
-    hard loss on; benchmarks/tune_chunk.py for 0 < beta < 1). The mixture's three passes run
-    fastest at 2048 x 8 warps from 512 rows up (0.605 ms for 1024 rows at temperature 1, 90% of
-    the HBM peak; 4096 x 16 is level at 2048 rows). The two-pass KL endpoints run fastest at
-    1024 x 4: for 1024 rows 0.451 / 0.488 ms (beta 0, temperature 1 / 2) and 0.438 / 0.590 ms
-    (beta 1), against 0.504 / 0.495 and 0.442 / 0.600 ms at 2048 x 8, the same registers
-    (48-80) and no spills either way: the difference is in the schedule the compiler makes.
-    Fewer rows leave SMs idle and prefer wider tiles (256 rows: the mixture 0.182 ms at
-    4096 x 8, the endpoints 0.132-0.185 ms at 4096 x 16). Two other layouts were measured for
-    1024 rows at beta 0.5 and left out:
+    From ``python benchmarks/tune_chunk.py triton`` on an H200 (V = 128256, bf16 teacher and
+    gradient written over it, hard loss on; do_bench medians, ms for 256 / 1024 / 2048 rows):
+
+    - the mixture's three passes: 2048 x 8 warps from 512 rows up (0.606 / 1.195 at
+      temperature 1, 90% of the HBM peak; 0.674 / 1.311 at 2, where 2048 x 4 is 3% faster);
+    - the two-pass KL endpoints: 1024 x 4 (beta 0: 0.450 / 0.945 at temperature 1 / 2 and
+      1024 rows / 2048 rows; beta 1: 0.436 / 0.982; against 0.503 and 0.951, 0.437 and 1.137 at
+      2048 x 8), except with the shared softmax from 2048 rows, where 2048 x 8 is 15% faster
+      (0.826 and 0.844 against 0.975 and 0.887). Registers (40-130) and spills (none) do not
+      explain the differences: the compiler schedules each specialisation differently;
+    - fewer rows leave SMs idle and prefer wider tiles (256 rows: the mixture 0.182 ms at
+      4096 x 8, the endpoints 0.132-0.185 ms at 4096 x 16).
+
+    Two other layouts were measured for 1024 rows at beta 0.5 and left out:
     - a persistent grid, one program per SM striding over rows (fewer rows in flight, so the
       passes re-read more from L2): 0.625 ms at 16384 x 32 warps against 0.655 ms in the same
       run, slower with narrower tiles or more programs;
@@ -384,7 +389,7 @@ def _default_config(n: int, vt: int, mode: int) -> tuple[int, int]:
     width = triton.next_power_of_2(vt)
     if n < 512:
         return min(2 * _MAX_BLOCK_V, width), 8 if mode == _BETA_MIXED else 16
-    if mode == _BETA_MIXED:
+    if mode == _BETA_MIXED or (shared_softmax and n >= 2048):
         return min(_MAX_BLOCK_V, width), 8
     return min(_MAX_BLOCK_V // 2, width), 4
 
@@ -518,7 +523,8 @@ def jsd_chunk_(
     valid rows (hard_sum is zero when not compute_hard).
     """
     rows, vocab_t = teacher_logits.shape
-    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta))
+    shared_softmax = options.temperature == 1.0 and vocab_t == student_logits.shape[1]
+    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta), shared_softmax)
     return _launch(
         student_logits,
         teacher_logits,
