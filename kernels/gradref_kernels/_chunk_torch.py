@@ -89,11 +89,6 @@ def _masked_sum(rows: Tensor, valid: Tensor) -> Tensor:
     return accurate_sum(torch.where(valid, rows, 0.0).flatten())
 
 
-def _shares_softmax(temperature: float, vocab_s: int, vocab_t: int) -> bool:
-    """Whether softmax(z), the hard loss's, is S itself (no scaling, no padding)."""
-    return temperature == 1.0 and vocab_t == vocab_s
-
-
 def _soft_loss_terms(beta: float) -> tuple[float, ...]:
     """Coefficients: a row's soft loss from the row sums :func:`_slice_` records.
 
@@ -136,7 +131,7 @@ def _slice_(
     vocab_t = teacher.shape[1]
     views = [b[:rows] for b in buffers]
     work, taken = views[0], 1
-    shared = _shares_softmax(temperature, vocab_s, vocab_t)
+    shared = options.shares_softmax(vocab_s, vocab_t)
     hard_grad = label_log_p is not None and weight_hard != 0.0
 
     # The teacher first, in the work dtype (copied when it comes in another) and scaled in
@@ -225,8 +220,7 @@ def _slice_buffers(
     student_logits: Tensor,
     teacher_logits: Tensor,
     rows: int,
-    temperature: float,
-    compute_hard: bool,
+    options: LossOptions,
 ) -> list[Tensor]:
     """Scratch for :func:`_slice_`, (rows, Vt) in the work dtype, in the order it takes them:
     one work buffer; one for the teacher logits when they come in another dtype (they are
@@ -234,9 +228,9 @@ def _slice_buffers(
     student logits are narrower than the teacher's (they hold it otherwise) and one for the
     unscaled softmax if the hard loss is computed."""
     vocab_s, vocab_t = student_logits.shape[1], teacher_logits.shape[1]
-    shared = _shares_softmax(temperature, vocab_s, vocab_t)
+    shared = options.shares_softmax(vocab_s, vocab_t)
     count = 1 + (teacher_logits.dtype != student_logits.dtype)
-    count += (not shared and vocab_t != vocab_s) + (compute_hard and not shared)
+    count += (not shared and vocab_t != vocab_s) + (options.compute_hard and not shared)
     return list(student_logits.new_empty((count, rows, vocab_t)).unbind(0))
 
 
@@ -255,13 +249,7 @@ def _chunk_(
     coefficients = _soft_loss_terms(options.beta)
     sums = student_logits.new_empty((len(coefficients), rows))
     label_log_p = student_logits.new_empty((rows, 1)) if options.compute_hard else None
-    buffers = _slice_buffers(
-        student_logits,
-        teacher_logits,
-        min(slice_rows, rows),
-        options.temperature,
-        options.compute_hard,
-    )
+    buffers = _slice_buffers(student_logits, teacher_logits, min(slice_rows, rows), options)
     for start in range(0, rows, slice_rows):
         part = slice(start, start + slice_rows)
         _slice_(

@@ -441,7 +441,7 @@ def _launch(
             weight_hard,
             MODE=mode,
             HARD=compute_hard,
-            SHARE_LSE=temperature == 1.0 and vt == vs,
+            SHARE_LSE=options.shares_softmax(vs, vt),
             FAST_LOG2=_compiled() and torch.version.hip is None,
             INTERPRETED=not _compiled(),
             BLOCK_V=block_v,
@@ -523,8 +523,8 @@ def jsd_chunk_(
     valid rows (hard_sum is zero when not compute_hard).
     """
     rows, vocab_t = teacher_logits.shape
-    shared_softmax = options.temperature == 1.0 and vocab_t == student_logits.shape[1]
-    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta), shared_softmax)
+    shared = options.shares_softmax(student_logits.shape[1], vocab_t)
+    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta), shared)
     return _launch(
         student_logits,
         teacher_logits,

@@ -28,3 +28,8 @@ class LossOptions:
     compute_hard: bool
     """Whether to compute the hard loss (and its gradient) at all: its weight is nonzero, or it
     is returned."""
+
+    def shares_softmax(self, vocab_s: int, vocab_t: int) -> bool:
+        """Whether the hard loss's softmax(z) is S itself: no temperature scaling and no
+        padding of the student logits to a wider teacher vocabulary."""
+        return self.temperature == 1.0 and vocab_t == vocab_s
