@@ -26,7 +26,7 @@ def _positive(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_THRESHOLD
+    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_NOISE, DEFAULT_THRESHOLD
     from pytest_gradref.diff_output import FORMATS
 
     parser = argparse.ArgumentParser(
@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_FLOOR,
         help=f"errors below this absolute value count as this value, so that exact zeros do "
         f"not give infinite ratios (default {DEFAULT_FLOOR:g})",
+    )
+    diff.add_argument(
+        "--noise",
+        type=_positive,
+        default=DEFAULT_NOISE,
+        help=f"errors below this share of their item's allowance (tolerance or budget) count "
+        f"as that share: changes of rounding noise are not regressions "
+        f"(default {DEFAULT_NOISE:g})",
     )
     diff.add_argument(
         "--allow-mismatch",
@@ -91,6 +99,7 @@ def _diff(args: argparse.Namespace) -> int:
             load_report(args.new),
             threshold=args.threshold,
             floor=args.floor,
+            noise=args.noise,
             allow_mismatch=args.allow_mismatch,
         )
     except (UnusableInput, PlotUnavailable) as error:

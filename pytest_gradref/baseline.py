@@ -22,6 +22,7 @@ from pytest_gradref.diff import (
     load_report,
     parse_report,
 )
+from pytest_gradref.diff_output import noise_phrase
 from pytest_gradref.report import ReportCollector
 from pytest_gradref.settings import BASELINE_REGRESSION_EXIT
 
@@ -93,7 +94,7 @@ class BaselineGate:
         lines = [
             f"against {source}: {len(diff.items)} items compared, {len(regressions)} "
             f"{'regression' if len(regressions) == 1 else 'regressions'} (error grown beyond "
-            f"{diff.threshold:g}x)"
+            f"{diff.threshold:g}x; {noise_phrase(diff.noise)})"
             + (
                 f"; the session fails (exit status {BASELINE_REGRESSION_EXIT})"
                 if regressions and self.fail

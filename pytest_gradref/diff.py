@@ -3,8 +3,17 @@
 Records are matched by node id, items within a test by label (the n-th item of a label with
 the n-th). Each matched item's error is its greatest absolute error (``max_abs``: against the
 reference, or against the golden under a budget); an item is a regression when that error grew
-by more than the threshold, both errors being raised to the floor first so that exact zeros do
-not make infinite ratios, when it became NaN, or when it passed before and fails now.
+by more than the threshold, when it became NaN, or when it passed before and fails now.
+
+Growth is judged in units of what the item is allowed (its tolerance or budget). Before the
+ratio is taken, both errors are raised to a noise floor: ``noise`` (a tenth by default) of the
+item's allowance, read from the report as the error over the share of the allowance it used
+(1 - headroom). An error that uses a negligible share of its allowance is rounding noise,
+which moves between CPUs (oneDNN's ISA paths, thread counts) by more than twice without
+meaning anything; an error that uses a real share of it and grows fourfold is caught (from over
+a twentieth of the allowance, at the default threshold). The absolute ``floor`` stays beneath
+that, for items whose allowance is unknown (exact matches), so that exact zeros do not make
+infinite ratios.
 
 This module imports neither torch nor pytest: ``pytest-gradref diff`` starts fast.
 """
@@ -24,6 +33,10 @@ DEFAULT_THRESHOLD = 2.0
 # Below float32's spacing at 1 (1.2e-7) by far, above float64's rounding of unit-scale values
 # (1.1e-16) with room for accumulation: float64 noise is not called a regression.
 DEFAULT_FLOOR = 1e-12
+# The share of an item's allowance below which its error counts as noise (see the docstring).
+# Chosen from the spread measured across CPU hosts (README, "Precision across CPU hosts"):
+# items that moved 2.2x between an AMX host and an AMD EPYC one used 3-8% of their allowance.
+DEFAULT_NOISE = 0.1
 
 
 class UnusableInput(Exception):
@@ -127,7 +140,8 @@ class ItemDiff:
     dtype: str
     before: float
     after: float
-    ratio: float  # after / before, both raised to the floor; NaN where either is NaN
+    ratio: float  # after / before, both raised to the noise floor; NaN where either is NaN
+    noise_floor: float  # the error below which a change counts as noise (see the docstring)
     headroom_before: float
     headroom_after: float
     passed_before: bool
@@ -158,6 +172,7 @@ class Diff:
     new: Report
     threshold: float
     floor: float
+    noise: float
     items: list[ItemDiff] = field(default_factory=list)
     only_in_base: list[Missing] = field(default_factory=list)
     only_in_new: list[Missing] = field(default_factory=list)
@@ -216,6 +231,22 @@ def mismatches(base: Report, new: Report) -> list[str]:
     return found
 
 
+def _allowance(item: dict[str, Any]) -> float:
+    """The error an item was allowed, from the report: its greatest error over the share of
+    the allowance that error used (1 - headroom). NaN where that cannot be told: an exact
+    match (a share of 0), a report without statistics, a failed shape check."""
+    error, share = _number(item.get("max_abs")), 1 - _number(item.get("headroom"))
+    if not (math.isfinite(error) and math.isfinite(share)) or error <= 0 or share <= 0:
+        return math.nan
+    return error / share
+
+
+def _noise_floor(old: dict[str, Any], now: dict[str, Any], noise: float, floor: float) -> float:
+    """``noise`` of the larger of the item's two allowances, and at least ``floor``."""
+    allowances = [a for a in (_allowance(old), _allowance(now)) if not math.isnan(a)]
+    return max([floor, *(noise * a for a in allowances)])
+
+
 def _verdict(item: ItemDiff, threshold: float) -> str:
     if math.isnan(item.after) and not math.isnan(item.before):
         return "error is now NaN"
@@ -232,6 +263,7 @@ def compare(
     *,
     threshold: float = DEFAULT_THRESHOLD,
     floor: float = DEFAULT_FLOOR,
+    noise: float = DEFAULT_NOISE,
     allow_mismatch: bool = False,
 ) -> Diff:
     """Match the two reports' items and judge each; UnusableInput where the set-ups differ
@@ -241,7 +273,7 @@ def compare(
         raise UnusableInput(
             "; ".join(found) + ": the errors are not comparable (--allow-mismatch compares anyway)"
         )
-    diff = Diff(base, new, threshold, floor, mismatches=found)
+    diff = Diff(base, new, threshold, floor, noise, mismatches=found)
     for nodeid in sorted(base.tests.keys() - new.tests.keys()):
         diff.only_in_base.append(Missing(nodeid))
     for nodeid in sorted(new.tests.keys() - base.tests.keys()):
@@ -256,7 +288,8 @@ def compare(
                 continue
             now = after_items[label]
             before, after = _number(old.get("max_abs")), _number(now.get("max_abs"))
-            ratio = max(after, floor) / max(before, floor)
+            noise_floor = _noise_floor(old, now, noise, floor)
+            ratio = max(after, noise_floor) / max(before, noise_floor)
             if math.isnan(before) or math.isnan(after):
                 ratio = math.nan
             item = ItemDiff(
@@ -266,6 +299,7 @@ def compare(
                 before=before,
                 after=after,
                 ratio=ratio,
+                noise_floor=noise_floor,
                 headroom_before=_number(old.get("headroom")),
                 headroom_after=_number(now.get("headroom")),
                 passed_before=old.get("passed") is True,

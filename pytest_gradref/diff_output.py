@@ -36,12 +36,17 @@ def _shown(diff: Diff, top: int) -> list[ItemDiff]:
     return diff.items[: max(top, len(diff.regressions))]
 
 
+def noise_phrase(noise: float) -> str:
+    """How the verdict line states the noise rule."""
+    return f"errors under {noise * 100:g}% of their allowance count as noise"
+
+
 def _verdict_line(diff: Diff) -> str:
     count = len(diff.regressions)
     noun = "regression" if count == 1 else "regressions"
     return (
         f"{count} {noun} in {len(diff.items)} compared items "
-        f"(threshold {diff.threshold:g}x, floor {diff.floor:g})"
+        f"(threshold {diff.threshold:g}x; {noise_phrase(diff.noise)})"
     )
 
 
@@ -144,6 +149,7 @@ def render_json(diff: Diff) -> str:
         "new": setup(diff.new),
         "threshold": diff.threshold,
         "floor": diff.floor,
+        "noise": diff.noise,
         "mismatches": diff.mismatches,
         "regressions": len(diff.regressions),
         "items": [
@@ -154,6 +160,7 @@ def render_json(diff: Diff) -> str:
                 "before": _json_number(item.before),
                 "after": _json_number(item.after),
                 "ratio": _json_number(item.ratio),
+                "noise_floor": _json_number(item.noise_floor),
                 "headroom_before": _json_number(item.headroom_before),
                 "headroom_after": _json_number(item.headroom_after),
                 "passed_before": item.passed_before,

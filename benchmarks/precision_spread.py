@@ -1,0 +1,106 @@
+"""How far the kernel suite's errors move between CPU code paths, against the CI baseline.
+
+Runs ``pytest tests/kernels`` on the CPU once per variant (oneDNN's ISA cap, ATen's CPU
+capability, thread count, serial or under xdist), writes each run's precision report into
+``--out``, and compares each with the committed baseline as the CI gate does. For every variant
+it prints the greatest growth of any item's error (the raw ratio, and the ratio the gate judges
+after the noise floor), the share of its allowance the item used, and the gate's verdict: the
+figures behind the gate's threshold and noise share (README, "Precision across CPU hosts").
+
+    python benchmarks/precision_spread.py --out /tmp/spread            # every variant
+    python benchmarks/precision_spread.py --out /tmp/spread --variants avx2 one-thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from pytest_gradref.diff import (
+    DEFAULT_NOISE,
+    DEFAULT_THRESHOLD,
+    Diff,
+    ItemDiff,
+    compare,
+    load_report,
+)
+
+BASELINE = Path("tests/kernels/precision-baseline-cpu.json")
+
+# name -> (environment, extra pytest arguments); the baseline itself is written under xdist
+# with two workers (scripts/refresh_precision_baseline.sh).
+VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
+    "as-baseline": ({}, ["-n", "2"]),
+    "serial": ({}, []),
+    "one-thread": ({"OMP_NUM_THREADS": "1"}, ["-n", "2"]),
+    "onednn-avx512-bf16": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, ["-n", "2"]),
+    "onednn-avx512": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, ["-n", "2"]),
+    "onednn-avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, ["-n", "2"]),
+    "aten-avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, ["-n", "2"]),
+    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, ["-n", "2"]),
+}
+
+
+def run_variant(name: str, out: Path) -> Path:
+    environment, arguments = VARIANTS[name]
+    report = out / f"{name}.json"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/kernels",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--gradref-device=cpu",
+        f"--gradref-report={report}",
+        *arguments,
+    ]
+    print(f"{name}: {' '.join(f'{k}={v}' for k, v in environment.items())} {' '.join(command)}")
+    subprocess.run(command, env={**os.environ, **environment}, check=True, capture_output=True)
+    return report
+
+
+def raw_growth(diff: Diff, item: ItemDiff) -> float:
+    """The error's growth with the absolute floor alone (no noise floor)."""
+    return max(item.after, diff.floor) / max(item.before, diff.floor)
+
+
+def describe_worst(diff: Diff, growth: Callable[[ItemDiff], float]) -> str:
+    """The item that grew most by ``growth``, with the share of its allowance it uses."""
+    top = max((i for i in diff.items if not math.isnan(i.ratio)), key=growth)
+    return (
+        f"{growth(top):.3g}x ({top.dtype}, {top.before:.3g} -> {top.after:.3g}, "
+        f"{1 - top.headroom_after:.1%} of its allowance)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the reports")
+    parser.add_argument("--variants", nargs="*", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument(
+        "--reuse", action="store_true", help="compare reports already in --out, run nothing"
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    baseline = load_report(BASELINE)
+    print(f"baseline: {BASELINE}: {baseline.describe()}")
+    print(f"gate: threshold {DEFAULT_THRESHOLD:g}x, noise share {DEFAULT_NOISE:g}")
+    print("| variant | greatest raw growth | greatest judged growth | regressions |")
+    print("|---|---|---|---|")
+    for name in args.variants:
+        path = args.out / f"{name}.json" if args.reuse else run_variant(name, args.out)
+        diff = compare(baseline, load_report(path))
+        raw = describe_worst(diff, lambda item, diff=diff: raw_growth(diff, item))
+        judged = describe_worst(diff, lambda item: item.ratio)
+        print(f"| {name} | {raw} | {judged} | {len(diff.regressions)} of {len(diff.items)} |")
+
+
+if __name__ == "__main__":
+    main()
