@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+
+from pytest_gradref.compare import ResolvedTolerance, Tolerance, ToleranceItem, check_items
 
 FAILURES = """
 import pytest
@@ -370,3 +373,38 @@ def test_a_passing_assert_close_reads_the_host_once(pytester: pytest.Pytester) -
     items = [item for test in report["tests"] for item in test["items"]]
     assert len(items) == 12
     assert all(isinstance(item["max_abs"], float) for item in items)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rtol", "atol"),
+    [(torch.bfloat16, 1.6e-2, 1e-5), (torch.float16, 1e-3, 1e-5), (torch.float32, 1.3e-6, 0.0)],
+)
+def test_verdicts_with_statistics_are_torch_testings(
+    dtype: torch.dtype, rtol: float, atol: float
+) -> None:
+    """With statistics the verdict is read from the share of the tolerance used, computed in
+    float64, while torch.testing rounds its isclose in the promoted dtype: pairs a few rounding
+    steps apart, at and around the limit, where the two part, get torch.testing's verdict."""
+    expected = torch.randn(20000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    resolved = ResolvedTolerance(Tolerance(rtol=rtol, atol=atol), "the test")
+    actual, parting, agreeing = expected, [], []
+    for _ in range(16):  # actual: expected moved away from 0 by 1, 2, ... rounding steps
+        actual = torch.nextafter(actual, actual * 2)
+        close = torch.isclose(actual, expected, rtol=rtol, atol=atol)
+        difference = (actual.double() - expected.double()).abs()
+        used = difference / (atol + rtol * expected.double().abs())
+        parting += [(actual[i], expected[i]) for i in (close != (used <= 1)).nonzero()[:20, 0]]
+        near = (used - 1).abs() < 0.05
+        agreeing += [(actual[i], expected[i]) for i in near.nonzero()[:10, 0]]
+    if dtype != torch.float32:
+        assert parting, "no pair where float64 and the dtype's own rounding part"
+    for a, e in parting + agreeing:
+        item = ToleranceItem("value", a.reshape(1), e.reshape(1), resolved)
+        try:
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+            truth = True
+        except AssertionError:
+            truth = False
+        for statistics in (True, False):
+            assert check_items([item], statistics=statistics)[0].passed is truth, (a, e)
+    assert len(agreeing) > 20
