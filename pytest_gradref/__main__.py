@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_UNUSABLE = 2
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0: {text!r}")
-    return value
+def _number(minimum: float, inclusive: bool = True) -> Callable[[str], float]:
+    """An argparse type: a number at or above ``minimum`` (above it when not inclusive)."""
+    from pytest_gradref.numbers import number_problem
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        problem = number_problem(value, minimum=minimum, inclusive=inclusive)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_NOISE, DEFAULT_THRESHOLD
+    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_NOISE, DEFAULT_THRESHOLD, MIN_THRESHOLD
     from pytest_gradref.diff_output import FORMATS
 
     parser = argparse.ArgumentParser(
@@ -45,21 +52,21 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("new", metavar="NEW.json", help="the report under test")
     diff.add_argument(
         "--threshold",
-        type=_positive,
+        type=_number(MIN_THRESHOLD),
         default=DEFAULT_THRESHOLD,
         help=f"an item whose error grew by more than this factor regresses "
         f"(default {DEFAULT_THRESHOLD:g})",
     )
     diff.add_argument(
         "--floor",
-        type=_positive,
+        type=_number(0, inclusive=False),
         default=DEFAULT_FLOOR,
         help=f"errors below this absolute value count as this value, so that exact zeros do "
         f"not give infinite ratios (default {DEFAULT_FLOOR:g})",
     )
     diff.add_argument(
         "--noise",
-        type=_positive,
+        type=_number(0),
         default=DEFAULT_NOISE,
         help=f"errors below this share of their item's allowance (tolerance or budget) count "
         f"as that share: changes of rounding noise are not regressions "

@@ -15,6 +15,7 @@ import pytest
 
 from pytest_gradref.diff import (
     DEFAULT_THRESHOLD,
+    MIN_THRESHOLD,
     Diff,
     Report,
     UnusableInput,
@@ -23,6 +24,7 @@ from pytest_gradref.diff import (
     parse_report,
 )
 from pytest_gradref.diff_output import noise_phrase
+from pytest_gradref.numbers import number_problem
 from pytest_gradref.report import ReportCollector
 from pytest_gradref.settings import BASELINE_REGRESSION_EXIT
 
@@ -46,10 +48,9 @@ class BaselineGate:
         threshold = config.getoption("gradref_baseline_threshold")
         if threshold is None:
             threshold = DEFAULT_THRESHOLD
-        elif not threshold > 1:
-            raise pytest.UsageError(
-                f"--gradref-baseline-threshold must be a number above 1, got {threshold:g}"
-            )
+        problem = number_problem(threshold, minimum=MIN_THRESHOLD)
+        if problem is not None:
+            raise pytest.UsageError(f"--gradref-baseline-threshold {problem}, got {threshold:g}")
         try:
             baseline = load_report(path)
         except UnusableInput as error:

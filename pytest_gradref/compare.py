@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
+from pytest_gradref.numbers import check_number
+
 if TYPE_CHECKING:
     import torch
 
@@ -30,9 +32,7 @@ class Tolerance:
 
     def __post_init__(self) -> None:
         for name in ("rtol", "atol"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"Tolerance {name} must be a number >= 0, got {value!r}")
+            check_number(getattr(self, name), f"Tolerance {name}", minimum=0)
 
 
 # torch.testing.assert_close's defaults, by dtype name.
@@ -455,25 +455,6 @@ def _shape_problem(label: str, actual: object, expected: torch.Tensor) -> ItemCh
             label, dtype, float("nan"), float("nan"), "-", float("-inf"), False, detail
         )
     return None
-
-
-def check_tolerance(
-    label: str, actual: torch.Tensor | None, expected: torch.Tensor, resolved: ResolvedTolerance
-) -> ItemCheck:
-    """One item compared as torch.testing.assert_close compares it (see ``check_items``)."""
-    return check_items([ToleranceItem(label, actual, expected, resolved)])[0]
-
-
-def check_budget(
-    label: str,
-    actual: torch.Tensor | None,
-    reference: torch.Tensor,
-    golden: torch.Tensor,
-    budget: float,
-) -> ItemCheck:
-    """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
-    elements); see ``check_items``."""
-    return check_items([BudgetItem(label, actual, reference, golden, budget)])[0]
 
 
 def format_failures(header: str, checks: Sequence[ItemCheck]) -> str:

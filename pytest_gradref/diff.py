@@ -30,6 +30,8 @@ from typing import Any
 # would import pytest.
 FORMAT_VERSIONS = frozenset({1})
 DEFAULT_THRESHOLD = 2.0
+# A threshold below 1 would call unchanged errors regressions.
+MIN_THRESHOLD = 1.0
 # Below float32's spacing at 1 (1.2e-7) by far, above float64's rounding of unit-scale values
 # (1.1e-16) with room for accumulation: float64 noise is not called a regression.
 DEFAULT_FLOOR = 1e-12

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gradref.numbers import number_problem
 from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
 
 if TYPE_CHECKING:
@@ -118,10 +119,6 @@ class TestOverrides:
     budget: float | None = None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
     if mark is None:
         return TestOverrides()
@@ -139,8 +136,9 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
         )
     rtol, atol = kwargs.get("rtol"), kwargs.get("atol")
     for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and not (_is_number(value) and value >= 0):
-            raise MarkerError(f"@pytest.mark.gradref got {name}={value!r}; it must be >= 0")
+        problem = None if value is None else number_problem(value, minimum=0)
+        if problem is not None:
+            raise MarkerError(f"@pytest.mark.gradref got {name}={value!r}; it {problem}")
     tolerance = None
     if rtol is not None or atol is not None:
         from pytest_gradref.compare import ToleranceOverride
@@ -153,8 +151,9 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
             "such as torch.float64"
         )
     if budget is not None:
-        if not (_is_number(budget) and budget > 0):
-            raise MarkerError(f"@pytest.mark.gradref got budget={budget!r}; it must be > 0")
+        problem = number_problem(budget, minimum=0, inclusive=False)
+        if problem is not None:
+            raise MarkerError(f"@pytest.mark.gradref got budget={budget!r}; it {problem}")
         if golden is None:
             raise MarkerError(
                 "@pytest.mark.gradref got budget= without golden=: a budget is measured "

@@ -30,6 +30,7 @@ from pytest_gradref.compare import (
     less_precise,
     resolve_tolerance,
 )
+from pytest_gradref.numbers import check_number
 from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
 
 if TYPE_CHECKING:
@@ -100,11 +101,6 @@ class Golden:
     param_grads: Mapping[str, torch.Tensor]
 
 
-def _check_budget_value(budget: float) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise ValueError(f"budget must be a number > 0, got {budget!r}")
-
-
 @dataclass(frozen=True, eq=False)
 class Reference:
     """A reference loss value and its gradients.
@@ -161,7 +157,7 @@ class Reference:
         if budget is None and rtol is None and atol is None:
             budget = self.policy.budget
         if budget is not None:
-            _check_budget_value(budget)
+            check_number(budget, "budget", minimum=0, inclusive=False)
             if self.golden is None:
                 raise ValueError(
                     f"assert_close(budget={budget:g}) needs a golden reference: call "

@@ -118,10 +118,14 @@ def test_failed_test_is_a_regression_that_fails_the_session(
         ),
         (
             ["--gradref-baseline=base.json", "--gradref-baseline-threshold=0.5"],
-            "*--gradref-baseline-threshold must be a number above 1, got 0.5*",
+            "*--gradref-baseline-threshold must be a number >= 1, got 0.5*",
+        ),
+        (
+            ["--gradref-baseline=base.json", "--gradref-baseline-threshold=nan"],
+            "*--gradref-baseline-threshold must be a number >= 1, got nan*",
         ),
     ],
-    ids=["unreadable", "other-seed", "threshold"],
+    ids=["unreadable", "other-seed", "threshold", "nan-threshold"],
 )
 def test_unusable_baseline_is_a_usage_error(
     pytester: pytest.Pytester, baseline: str, args: list[str], message: str

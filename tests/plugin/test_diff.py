@@ -345,12 +345,31 @@ def test_unusable_input_exits_2_and_says_why(
     assert why in err
 
 
-def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--threshold", "0.99", "must be a number >= 1, got '0.99'"),
+        ("--threshold", "nan", "must be a number >= 1, got 'nan'"),
+        ("--floor", "0", "must be a number > 0, got '0'"),
+        ("--noise", "-0.1", "must be a number >= 0, got '-0.1'"),
+        ("--noise", "a tenth", "not a number: 'a tenth'"),
+    ],
+)
+def test_bad_arguments_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
     base, new = _pair(tmp_path, BASE)
     with pytest.raises(SystemExit) as exited:
-        main(["diff", str(base), str(new), "--threshold", "0"])
+        main(["diff", str(base), str(new), option, value])
     assert exited.value.code == 2
-    assert "must be greater than 0" in capsys.readouterr().err
+    assert f"argument {option}: {message}" in capsys.readouterr().err
+
+
+def test_threshold_of_one_and_noise_of_zero_are_accepted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base, new = _pair(tmp_path, BASE)
+    assert _diff(capsys, base, new, "--threshold", "1", "--noise", "0")[0] == 0
 
 
 MARKDOWN = """\
