@@ -26,7 +26,13 @@ from pytest_gradref.diff import (
 from pytest_gradref.diff_output import noise_phrase
 from pytest_gradref.numbers import number_problem
 from pytest_gradref.report import ReportCollector
-from pytest_gradref.settings import BASELINE_REGRESSION_EXIT
+from pytest_gradref.settings import (
+    BASELINE_FAIL_OPTION,
+    BASELINE_OPTION,
+    BASELINE_REGRESSION_EXIT,
+    BASELINE_THRESHOLD_OPTION,
+)
+from pytest_gradref.state import is_xdist_worker
 
 
 @dataclass
@@ -44,8 +50,8 @@ class BaselineGate:
     @classmethod
     def from_config(cls, config: pytest.Config, collector: ReportCollector) -> BaselineGate:
         """The gate of this run; a usage error for an unusable baseline or threshold."""
-        path = config.getoption("gradref_baseline")
-        threshold = config.getoption("gradref_baseline_threshold")
+        path = config.getoption(BASELINE_OPTION.dest)
+        threshold = config.getoption(BASELINE_THRESHOLD_OPTION.dest)
         if threshold is None:
             threshold = DEFAULT_THRESHOLD
         problem = number_problem(threshold, minimum=MIN_THRESHOLD)
@@ -62,11 +68,13 @@ class BaselineGate:
                 f"errors are not comparable; run with --gradref-seed={baseline.base_seed} or "
                 "write the baseline again"
             )
-        return cls(baseline, collector, threshold, bool(config.getoption("gradref_baseline_fail")))
+        return cls(
+            baseline, collector, threshold, bool(config.getoption(BASELINE_FAIL_OPTION.dest))
+        )
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if hasattr(session.config, "workerinput"):
+        if is_xdist_worker(session.config):
             return
         run = {**self.collector.run_fields(session.config), "tests": self.collector.tests()}
         try:

@@ -253,7 +253,7 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
             actual.to(dtype), expected.to(dtype), rtol=tol.rtol, atol=tol.atol, equal_nan=False
         )
         return close.logical_not_().any().to(torch.float64)[None]
-    diff, magnitude = _difference(actual, expected)
+    diff, magnitude = difference(actual, expected)
     exact = diff == 0
     max_abs = diff.max()
     max_rel = torch.where(exact, 0.0, diff / magnitude).max()
@@ -277,14 +277,14 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
         return None
     if golden.numel() == 0:
         return torch.zeros(4, dtype=torch.float64, device=golden.device)
-    own, golden_magnitude = _difference(actual, golden)
+    own, golden_magnitude = difference(actual, golden)
     own_rel = torch.where(own == 0, 0.0, own / golden_magnitude).max()
-    ref, _ = _difference(reference, golden)
+    ref, _ = difference(reference, golden)
     scale = golden_magnitude.nan_to_num_(nan=0.0, posinf=0.0).max()
     return torch.stack([own.max(), own_rel, ref.max(), scale])
 
 
-def _difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """|actual - expected| and |expected|, in float64 on expected's device. Equal elements
     differ by 0, infinities of the same sign included (as torch.testing treats them), where
     the subtraction would give NaN."""
@@ -428,7 +428,7 @@ def _stats(
     failure messages and the items the batched pass leaves out."""
     import torch
 
-    diff, magnitude = _difference(actual, expected)
+    diff, magnitude = difference(actual, expected)
     if diff.numel() == 0:
         return _Stats(0.0, 0.0, (), 0.0)
     zero = torch.zeros_like(diff)

@@ -22,15 +22,8 @@ if TYPE_CHECKING:
 
     from pytest_gradref.backends import Backend, BackendRegistry
     from pytest_gradref.reference import GradReference
-    from pytest_gradref.state import GradrefState
 
 FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
-
-
-def _state(config: pytest.Config) -> GradrefState:
-    from pytest_gradref.state import state_key
-
-    return config.stash[state_key]
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -38,42 +31,11 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from pytest_gradref.settings import (
-        BASELINE_FAIL_HELP,
-        BASELINE_HELP,
-        BASELINE_THRESHOLD_HELP,
-        DEVICE_OPTION,
-        REPORT_HELP,
-        SEED_OPTION,
-        SIMULATE_OPTION,
-        STRATEGY_OPTION,
-    )
+    from pytest_gradref.settings import OPTIONS
 
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
-    for spec in (DEVICE_OPTION, STRATEGY_OPTION, SEED_OPTION, SIMULATE_OPTION):
-        group.addoption(spec.flag, dest=spec.dest, default=None, help=spec.help)
-        parser.addini(spec.ini, help=spec.help, default="")
-    group.addoption("--gradref-report", dest="gradref_report", default=None, help=REPORT_HELP)
-    group.addoption(
-        "--gradref-baseline",
-        dest="gradref_baseline",
-        default=None,
-        metavar="BASE.json",
-        help=BASELINE_HELP,
-    )
-    group.addoption(
-        "--gradref-baseline-fail",
-        dest="gradref_baseline_fail",
-        action="store_true",
-        help=BASELINE_FAIL_HELP,
-    )
-    group.addoption(
-        "--gradref-baseline-threshold",
-        dest="gradref_baseline_threshold",
-        type=float,
-        default=None,
-        help=BASELINE_THRESHOLD_HELP,
-    )
+    for spec in OPTIONS:
+        spec.add_to(group, parser)
 
 
 @pytest.hookimpl(trylast=True)
@@ -89,7 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.markers import MARKER_LINES
     from pytest_gradref.report import ReportCollector
     from pytest_gradref.settings import (
+        BASELINE_OPTION,
         DEVICE_OPTION,
+        REPORT_OPTION,
         SEED_OPTION,
         SIMULATE_OPTION,
         STRATEGY_OPTION,
@@ -99,7 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
         parse_strategy,
         read_setting,
     )
-    from pytest_gradref.state import GradrefState, state_key
+    from pytest_gradref.state import GradrefState, is_xdist_worker, state_key
 
     simulate = parse_simulate(read_setting(config, SIMULATE_OPTION))
     if simulate is not None:
@@ -130,21 +94,21 @@ def pytest_configure(config: pytest.Config) -> None:
         strategy=parse_strategy(strategy_setting),
         strategy_source=strategy_setting.source,
         seed=seed,
-        report=ReportCollector(
-            config.getoption("gradref_report"), seed, simulated=simulate is not None
-        ),
         simulated=frozenset({simulate} if simulate else ()),
     )
     config.stash[state_key] = state
-    config.pluginmanager.register(state.report, "gradref-report")
-    if config.getoption("gradref_baseline") and not hasattr(config, "workerinput"):
+    collector = ReportCollector(
+        config.getoption(REPORT_OPTION.dest), seed, simulated=simulate is not None
+    )
+    config.pluginmanager.register(collector, "gradref-report")
+    if config.getoption(BASELINE_OPTION.dest) and not is_xdist_worker(config):
         from pytest_gradref.baseline import BaselineGate
 
-        gate = BaselineGate.from_config(config, state.report)
+        gate = BaselineGate.from_config(config, collector)
         config.pluginmanager.register(gate, "gradref-baseline")
     if xdist_hooks is not None:
         config.pluginmanager.register(xdist_hooks(state), "gradref-xdist")
-    if hasattr(config, "workerinput") and xdist_hooks is not None:
+    if is_xdist_worker(config) and xdist_hooks is not None:
         # A worker knows its device before any test runs and makes it the current one.
         setup = state.setup()
         setup.backend.activate(setup.device)
@@ -156,16 +120,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _distributing(config: pytest.Config) -> bool:
     """Whether this process is an xdist controller that will start workers."""
+    from pytest_gradref.state import is_xdist_worker
+
     numprocesses = config.getoption("numprocesses", None)
-    return bool(numprocesses) and not hasattr(config, "workerinput")
+    return bool(numprocesses) and not is_xdist_worker(config)
 
 
-def pytest_report_header(config: pytest.Config) -> list[str]:
-    state = _state(config)
-    if state.resolved is None:
+def _header_once(config: pytest.Config) -> list[str]:
+    """The gradref header line, the first time it is asked for after the setup is resolved:
+    in the header where the device was resolved at configure time, else after collection
+    (auto resolves once a collected test needs the device)."""
+    from pytest_gradref.state import gradref_state
+
+    state = gradref_state(config)
+    if state.resolved is None or state.reported:
         return []
     state.reported = True
     return [state.resolved.header_line(state.seed)]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return _header_once(config)
 
 
 def _uses_gradref(item: pytest.Item) -> bool:
@@ -179,8 +154,9 @@ def _uses_gradref(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     from pytest_gradref.markers import DEVICE_MARKERS, MarkerError, device_mark, parse_gradref_mark
+    from pytest_gradref.state import gradref_state
 
-    state = _state(config)
+    state = gradref_state(config)
     users = [item for item in items if _uses_gradref(item)]
     if not users:
         return
@@ -199,11 +175,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    state = _state(config)
-    if state.resolved is None or state.reported:
-        return []
-    state.reported = True
-    return [state.resolved.header_line(state.seed)]
+    return _header_once(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -213,8 +185,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if "torch" not in sys.modules:
         return
     from pytest_gradref.settings import seed_for_test
+    from pytest_gradref.state import gradref_state
 
-    state = _state(item.config)
+    state = gradref_state(item.config)
     seed = seed_for_test(state.seed, item.nodeid)
     if state.resolved is not None:
         state.resolved.backend.seed(seed)
@@ -226,16 +199,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    from pytest_gradref.state import recording_key
+    from pytest_gradref.state import gradref_state, recording_key
 
     report = yield
     recording = item.stash.get(recording_key, None)
-    state = _state(item.config)
+    state = gradref_state(item.config)
     if report.when == "call" and recording is not None and state.resolved is not None:
-        from pytest_gradref.report import record_for_test
+        from pytest_gradref.report import RECORD_ATTRIBUTE, record_for_test
 
         # A plain attribute travels with the report to the xdist controller.
-        report.__dict__["gradref"] = record_for_test(
+        report.__dict__[RECORD_ATTRIBUTE] = record_for_test(
             report.nodeid, state.resolved, state.seed, recording
         )
     return report
@@ -244,13 +217,17 @@ def pytest_runtest_makereport(
 @pytest.fixture(scope="session")
 def gradref_backend(pytestconfig: pytest.Config) -> Backend:
     """The active backend policy."""
-    return _state(pytestconfig).setup().backend
+    from pytest_gradref.state import gradref_state
+
+    return gradref_state(pytestconfig).setup().backend
 
 
 @pytest.fixture(scope="session")
 def gradref_device(pytestconfig: pytest.Config) -> torch.device:
     """The torch.device the tests place their tensors on."""
-    return _state(pytestconfig).setup().device
+    from pytest_gradref.state import gradref_state
+
+    return gradref_state(pytestconfig).setup().device
 
 
 @pytest.fixture
@@ -261,17 +238,18 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     """
     from pytest_gradref.markers import parse_gradref_mark
     from pytest_gradref.reference import CheckPolicy, GradReference, Recording
-    from pytest_gradref.state import recording_key
+    from pytest_gradref.settings import BASELINE_OPTION, REPORT_OPTION
+    from pytest_gradref.state import gradref_state, recording_key
 
-    setup = _state(request.config).setup()
+    setup = gradref_state(request.config).setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
     recording = request.node.stash.setdefault(recording_key, Recording())
     strategy = overrides.strategy or setup.effective_strategy()
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
     statistics = (
-        request.config.getoption("gradref_report") is not None
-        or request.config.getoption("gradref_baseline") is not None
+        request.config.getoption(REPORT_OPTION.dest) is not None
+        or request.config.getoption(BASELINE_OPTION.dest) is not None
         or request.config.get_verbosity() > 0
         or strategy == "crosscheck"
     )

@@ -24,6 +24,7 @@ from pytest_gradref.compare import (
     ToleranceItem,
     ToleranceOverride,
     check_items,
+    difference,
     dtype_name,
     epsilon,
     format_failures,
@@ -485,19 +486,19 @@ def _disagreement(
     received: Strategy,
     checked_against: Strategy,
 ) -> Disagreement:
-    """How far ``a`` (received) and ``b`` (checked against) differ."""
+    """How far ``a`` (received) and ``b`` (checked against) differ, as assert_close measures
+    a difference (equal infinities differ by 0)."""
     import torch
 
-    a64, b64 = a.detach().double(), b.detach().double()
-    diff = (a64 - b64).abs()
+    diff, magnitude = difference(a, b)
     resolved = policy.tolerance(a.dtype)
     tol = resolved.tolerance
     if diff.numel() == 0:
         return Disagreement(
             label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source, received, checked_against
         )
-    relative = torch.where(diff == 0, torch.zeros_like(diff), diff / b64.abs())
-    exceeds = not bool(torch.isclose(a64, b64, rtol=tol.rtol, atol=tol.atol).all())
+    relative = torch.where(diff == 0, 0.0, diff / magnitude)
+    exceeds = not bool(torch.isclose(a.double(), b.double(), rtol=tol.rtol, atol=tol.atol).all())
     criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
     return Disagreement(
         label,

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from pytest_gradref.settings import Setup
 
 TIGHTEST_SHOWN = 10
+# The test report attribute that carries a test's record (to the xdist controller too).
+RECORD_ATTRIBUTE = "gradref"
 # The report's format version: raise it when a field changes meaning or disappears, so that
 # ``pytest-gradref diff`` refuses a report it would misread.
 FORMAT_VERSION = 1
@@ -66,12 +68,14 @@ class ReportCollector:
         self.records: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        record = report.__dict__.get("gradref")
+        record = report.__dict__.get(RECORD_ATTRIBUTE)
         if record is not None:
             self.records.append({**record, "outcome": report.outcome})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if self.path is None or hasattr(session.config, "workerinput"):
+        from pytest_gradref.state import is_xdist_worker
+
+        if self.path is None or is_xdist_worker(session.config):
             return
         import json
 

@@ -10,9 +10,9 @@ is done only once a test needs it, so loading the plugin stays cheap.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -36,22 +36,37 @@ STRATEGY_HELP = (
 
 @dataclass(frozen=True)
 class OptionSpec:
+    """One command-line option of the gradref group. A setting that an environment variable
+    and an ini key can give too names them (``env``, ``ini``; see ``read_setting``); the
+    others are plain options (``action``, ``type``, ``metavar`` as argparse takes them)."""
+
     flag: str
     dest: str
-    env: str
-    ini: str
     help: str
+    env: str | None = None
+    ini: str | None = None
+    action: str = "store"
+    type: Callable[[str], Any] | None = None
+    metavar: str | None = None
+
+    def add_to(self, group: pytest.OptionGroup, parser: pytest.Parser) -> None:
+        extra: dict[str, Any] = {"action": self.action}
+        if self.action == "store":
+            extra.update(default=None, type=self.type, metavar=self.metavar)
+        group.addoption(self.flag, dest=self.dest, help=self.help, **extra)
+        if self.ini is not None:
+            parser.addini(self.ini, help=self.help, default="")
 
 
 DEVICE_OPTION = OptionSpec(
-    "--gradref-device", "gradref_device", "GRADREF_DEVICE", "gradref_device", DEVICE_HELP
+    "--gradref-device", "gradref_device", DEVICE_HELP, "GRADREF_DEVICE", "gradref_device"
 )
 SEED_HELP = (
     "base seed: every test seeds torch from it and its node id, so it draws the same numbers "
     "alone, in any order and on any xdist worker. Default: 0."
 )
 SEED_OPTION = OptionSpec(
-    "--gradref-seed", "gradref_seed", "GRADREF_SEED", "gradref_seed", SEED_HELP
+    "--gradref-seed", "gradref_seed", SEED_HELP, "GRADREF_SEED", "gradref_seed"
 )
 REPORT_HELP = (
     "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
@@ -74,23 +89,48 @@ BASELINE_FAIL_HELP = (
 )
 BASELINE_THRESHOLD_HELP = (
     "with --gradref-baseline: how many times an item's error may grow before it is a "
-    "regression (default 2; errors below 1e-12 count as 1e-12)"
+    "regression (default 2; errors under a tenth of their allowance count as noise)"
 )
 STRATEGY_OPTION = OptionSpec(
-    "--gradref-strategy", "gradref_strategy", "GRADREF_STRATEGY", "gradref_strategy", STRATEGY_HELP
+    "--gradref-strategy", "gradref_strategy", STRATEGY_HELP, "GRADREF_STRATEGY", "gradref_strategy"
+)
+REPORT_OPTION = OptionSpec("--gradref-report", "gradref_report", REPORT_HELP, metavar="PATH")
+BASELINE_OPTION = OptionSpec(
+    "--gradref-baseline", "gradref_baseline", BASELINE_HELP, metavar="BASE.json"
+)
+BASELINE_FAIL_OPTION = OptionSpec(
+    "--gradref-baseline-fail", "gradref_baseline_fail", BASELINE_FAIL_HELP, action="store_true"
+)
+BASELINE_THRESHOLD_OPTION = OptionSpec(
+    "--gradref-baseline-threshold",
+    "gradref_baseline_threshold",
+    BASELINE_THRESHOLD_HELP,
+    type=float,
 )
 
 
 SIMULATE_HELP = (
     "npu: run on a simulated npu device backed by the CPU (a testing aid for CI without Ascend "
     "hardware: it proves the npu code path, not Ascend numerics), registered before any device "
-    "is probed; none: no simulation. Refused where a real torch_npu reports a device. "
+    "is probed; none: no simulation. Refused where a real torch_npu imports. "
     "Default: none."
 )
 SIMULATE_OPTION = OptionSpec(
-    "--gradref-simulate", "gradref_simulate", "GRADREF_SIMULATE", "gradref_simulate", SIMULATE_HELP
+    "--gradref-simulate", "gradref_simulate", SIMULATE_HELP, "GRADREF_SIMULATE", "gradref_simulate"
 )
 SIMULATABLE = ("npu",)
+
+# Every option of the gradref group, in the order --help lists them.
+OPTIONS = (
+    DEVICE_OPTION,
+    STRATEGY_OPTION,
+    SEED_OPTION,
+    SIMULATE_OPTION,
+    REPORT_OPTION,
+    BASELINE_OPTION,
+    BASELINE_FAIL_OPTION,
+    BASELINE_THRESHOLD_OPTION,
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +141,8 @@ class Setting:
 
 def read_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
     """The value of one setting and a phrase naming its source."""
+    if spec.env is None or spec.ini is None:
+        raise ValueError(f"{spec.flag} is a plain option, not a setting with env and ini")
     cli = config.getoption(spec.dest)
     if cli is not None:
         return Setting(str(cli), f"the {spec.flag} option")

@@ -28,7 +28,9 @@ takes the device queues, and on ``npu:1`` or above meets that assert.
 
 What it does not prove: Ascend numerics (every operator is torch's CPU kernel), and torch_npu's
 own operators (``torch_npu.npu_*``) do not exist here. The simulation is process-global and
-cannot be undone; it refuses to install where a real torch_npu reports a device.
+cannot be undone; it refuses to install where a real torch_npu imports, with or without a
+device (only a torch_npu that fails to import, which the npu probe reports as unavailable,
+leaves it free).
 """
 
 from __future__ import annotations
@@ -56,11 +58,6 @@ _current = [0]
 
 class SimulatedDeviceError(RuntimeError):
     """An operator mixed devices, as real hardware would refuse to."""
-
-
-def is_installed() -> bool:
-    """Whether this process runs the simulated npu."""
-    return bool(_installed)
 
 
 def _physical_count() -> int:
@@ -341,7 +338,7 @@ def _stand_in(npu: types.ModuleType) -> types.ModuleType:
 
 
 def _refuse_real_torch_npu() -> None:
-    """A real torch_npu that imports and reports a device must never be shadowed."""
+    """A real torch_npu that imports must never be shadowed, whether or not it sees a device."""
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
         return
     try:

@@ -14,7 +14,6 @@ import pytest
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
     from pytest_gradref.reference import Recording
-    from pytest_gradref.report import ReportCollector
     from pytest_gradref.settings import DeviceRequest, Setup
     from pytest_gradref.strategies import StrategyChoice
 
@@ -28,7 +27,6 @@ class GradrefState:
     strategy: StrategyChoice | None
     strategy_source: str
     seed: int
-    report: ReportCollector
     # Device types this process simulates (--gradref-simulate), installed before any probe.
     simulated: frozenset[str] = frozenset()
     resolved: Setup | None = None
@@ -56,3 +54,8 @@ recording_key: pytest.StashKey[Recording] = pytest.StashKey()
 
 def gradref_state(config: pytest.Config) -> GradrefState:
     return config.stash[state_key]
+
+
+def is_xdist_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (which reports to a controller)."""
+    return hasattr(config, "workerinput")
