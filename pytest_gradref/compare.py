@@ -222,12 +222,23 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
 
 
 def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
-    """Real floating strided tensors, compared in float64 on ``on`` (where they are, for a
-    tolerance; where the golden is, for a budget)."""
+    """Real floating strided plain tensors, compared in float64 on ``on`` (where they are, for
+    a tolerance; where the golden is, for a budget).
+
+    A tensor subclass (DTensor, a wrapper subclass with ``__torch_dispatch__``) cannot be read
+    in bulk (``tolist`` refuses it, and its statistics are subclass tensors too): its items
+    take ``_check_alone``, whose operations and scalar reads go through the subclass, as
+    torch.testing's do. ``type(t)`` rather than isinstance, since every subclass is an
+    instance of torch.Tensor; a plain nn.Parameter is a plain tensor.
+    """
     import torch
 
+    plain = (torch.Tensor, torch.nn.Parameter)
     return on.type != "mps" and all(
-        t.is_floating_point() and t.dtype.itemsize > 1 and t.layout == torch.strided
+        type(t) in plain
+        and t.is_floating_point()
+        and t.dtype.itemsize > 1
+        and t.layout == torch.strided
         for t in tensors
     )
 
@@ -320,7 +331,10 @@ def _nan_sides(flags: Sequence[object]) -> tuple[str, ...]:
 
 
 def _check_alone(item: Item) -> ItemCheck:
-    """An item outside the batched pass (complex, sparse, across devices...), by itself."""
+    """An item outside the batched pass (complex, sparse, across devices, tensor
+    subclasses...), by itself, with a host read per statistic."""
+    import torch
+
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
@@ -329,7 +343,8 @@ def _check_alone(item: Item) -> ItemCheck:
     own = _stats(actual, item.golden)
     ref = _stats(item.reference, item.golden)
     golden = item.golden.detach()
-    finite = golden[golden.isfinite()].abs()
+    # A mask, not boolean indexing: a sharded DTensor cannot index by a data-dependent shape.
+    finite = torch.where(golden.isfinite(), golden.abs(), 0.0)
     scale = float(finite.max()) if finite.numel() else 0.0
     nans = [bool(t.detach().isnan().any()) for t in (actual, item.reference, golden)]
     return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale, _nan_sides(nans))
