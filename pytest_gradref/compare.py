@@ -182,6 +182,7 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     cost), for runs that neither report nor show the statistics; a budget's statistics are
     its criterion, so they are computed either way.
     """
+    __tracebackhide__ = True
     import torch
 
     checks: list[ItemCheck | None] = [None] * len(items)

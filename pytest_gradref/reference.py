@@ -101,6 +101,7 @@ class Golden:
 
 
 def _check_budget_value(budget: float) -> None:
+    __tracebackhide__ = True
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ValueError(f"budget must be a number > 0, got {budget!r}")
 
@@ -156,6 +157,9 @@ class Reference:
             AssertionError: an item differs beyond its tolerance or budget.
             TypeError, ValueError: the arguments do not line up with the reference.
         """
+        # pytest then ends a failure's traceback at the test's line, as torch.testing does;
+        # the helpers below hide their frames too (--full-trace shows them).
+        __tracebackhide__ = True
         if budget is not None and (rtol is not None or atol is not None):
             raise ValueError("assert_close() takes either budget= or rtol=/atol=, not both")
         if budget is None and rtol is None and atol is None:
@@ -195,6 +199,7 @@ class Reference:
         param_grads: ActualParamGrads,
     ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any]]:
         """(label, actual, reference, golden or None) for every item, validated."""
+        __tracebackhide__ = True
         import torch
 
         golden = self.golden
@@ -250,6 +255,7 @@ def normalize_argnums(
     fn: Callable[..., Any], args: Sequence[Any], argnums: Argnums, *, is_module: bool
 ) -> tuple[int, ...]:
     """Validated, non-negative argnums; raises a TypeError/ValueError that names the fault."""
+    __tracebackhide__ = True
     import torch
 
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
@@ -356,6 +362,7 @@ class _Problem:
         diff_params: Mapping[str, Any],
         buffers: Mapping[str, torch.Tensor],
     ) -> Any:
+        __tracebackhide__ = True
         full = list(self.args)
         for position, tensor in zip(self.argnums, diff_args):
             full[position] = tensor
@@ -367,6 +374,7 @@ class _Problem:
         return self.fn(*full, **self.kwargs)
 
     def split(self, out: Any) -> tuple[torch.Tensor, Any]:
+        __tracebackhide__ = True
         import torch
 
         name = _describe(self.fn)
@@ -407,6 +415,7 @@ class _Result:
 
 
 def _by_autograd(problem: _Problem) -> _Result:
+    __tracebackhide__ = True
     import torch
     from torch.utils._pytree import tree_map
 
@@ -430,6 +439,7 @@ def _by_autograd(problem: _Problem) -> _Result:
 
 
 def _by_grad_and_value(problem: _Problem) -> _Result:
+    __tracebackhide__ = True
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -441,6 +451,7 @@ def _by_grad_and_value(problem: _Problem) -> _Result:
         diff_params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        __tracebackhide__ = True
         loss, aux = problem.split(problem.call(diff_args, diff_params, buffers))
         leaves, spec = tree_flatten(aux)
         aux_parts.update(leaves=leaves, spec=spec)
@@ -550,6 +561,7 @@ def _golden_problem(problem: _Problem, dtype: torch.dtype, device: torch.device 
 
 
 def _check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
+    __tracebackhide__ = True
     import torch
 
     if not isinstance(golden, torch.dtype) or not golden.is_floating_point:
@@ -585,6 +597,7 @@ def compute_reference(
     primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
     given, else where the inputs are).
     """
+    __tracebackhide__ = True
     import torch
 
     if strategy not in STRATEGY_CHOICES:
@@ -688,6 +701,7 @@ class GradReference:
         ``golden=torch.float64`` the reference is also computed in that dtype, for
         ``Reference.assert_close(..., budget=k)``.
         """
+        __tracebackhide__ = True
         import torch
 
         golden = golden if golden is not None else self.golden
