@@ -11,6 +11,7 @@ its true gradient, and it is what grad_and_value returns, so the two strategies 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
@@ -62,12 +63,52 @@ class Disagreement:
 
 @dataclass
 class Recording:
-    """What one test's references checked, collected for the report."""
+    """What one test's references checked, collected for the report.
+
+    A Hypothesis test runs its body once per example; the record keeps one example, the one
+    with the least headroom (a failing one when the test failed), not every example's items.
+    Between examples the lists hold the worst example so far; during one, that example's own.
+    """
 
     checks: list[ItemCheck] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)
     # The strategy whose result each reference handed the test (never "crosscheck").
     strategies: list[str] = field(default_factory=list)
+    # The worst finished example while another one runs; None outside an example.
+    _kept: tuple[list[ItemCheck], list[Disagreement], list[str]] | None = None
+
+    def add_checks(self, checks: Sequence[ItemCheck]) -> None:
+        self._enter_example()
+        self.checks.extend(checks)
+
+    def add_reference(self, strategy: str, disagreements: Sequence[Disagreement]) -> None:
+        self._enter_example()
+        self.strategies.append(strategy)
+        self.disagreements.extend(disagreements)
+
+    def _enter_example(self) -> None:
+        from pytest_gradref.examples import call_at_example_end
+
+        if self._kept is None and call_at_example_end(self._leave_example):
+            self._kept = (self.checks, self.disagreements, self.strategies)
+            self.checks, self.disagreements, self.strategies = [], [], []
+
+    def _leave_example(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] and _tightness(kept[0]) < _tightness(self.checks):
+            self.checks, self.disagreements, self.strategies = kept
+
+
+def _tightness(checks: Sequence[ItemCheck]) -> float:
+    """The least headroom of an example's items: lower is closer to failing. An item without
+    statistics counts as -inf when it failed, +inf when it passed."""
+    least = math.inf
+    for check in checks:
+        headroom = check.headroom
+        if math.isnan(headroom):
+            headroom = math.inf if check.passed else -math.inf
+        least = min(least, headroom)
+    return least
 
 
 @dataclass(frozen=True)
@@ -187,7 +228,7 @@ class Reference:
             items.append(ToleranceItem(label, actual, expected, resolved))
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
         if self.policy.recording is not None:
-            self.policy.recording.checks.extend(checks)
+            self.policy.recording.add_checks(checks)
         if not all(check.passed for check in checks):
             header = f"Reference mismatch ({self.backend} backend, {self.strategy} reference)"
             raise AssertionError(format_failures(header, checks))
@@ -636,10 +677,8 @@ def compute_reference(
             for name, grad in result.param_grads.items()
         ]
         crosscheck = tuple(_disagreement(*pair, policy, primary, other_strategy) for pair in pairs)
-        if policy.recording is not None:
-            policy.recording.disagreements.extend(crosscheck)
     if policy.recording is not None:
-        policy.recording.strategies.append(primary)
+        policy.recording.add_reference(primary, crosscheck or ())
 
     golden_result = None
     if golden is not None:
@@ -683,6 +722,19 @@ class GradReference:
     policy: CheckPolicy
     golden: torch.dtype | None = None
     golden_on_cpu: frozenset[str] = frozenset()
+
+    def __repr__(self) -> str:
+        # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
+        # failing test's locals), and the policy's tables and recording run to dozens of lines.
+        fields = f"backend={self.policy.backend!r}, strategy={self.strategy!r}"
+        if self.golden is not None:
+            fields += f", golden={self.golden}"
+        return f"GradReference({fields})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # IPython's pretty-printing protocol, which Hypothesis' falsifying-example printer
+        # follows; without it that printer lists a dataclass's fields instead of its repr.
+        printer.text(repr(self))
 
     def __call__(
         self,
