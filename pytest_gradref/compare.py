@@ -183,6 +183,7 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     cost), for runs that neither report nor show the statistics; a budget's statistics are
     its criterion, so they are computed either way.
     """
+    __tracebackhide__ = True
     import torch
 
     checks: list[ItemCheck | None] = [None] * len(items)
@@ -223,12 +224,23 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
 
 
 def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
-    """Real floating strided tensors, compared in float64 on ``on`` (where they are, for a
-    tolerance; where the golden is, for a budget)."""
+    """Real floating strided plain tensors, compared in float64 on ``on`` (where they are, for
+    a tolerance; where the golden is, for a budget).
+
+    A tensor subclass (DTensor, a wrapper subclass with ``__torch_dispatch__``) cannot be read
+    in bulk (``tolist`` refuses it, and its statistics are subclass tensors too): its items
+    take ``_check_alone``, whose operations and scalar reads go through the subclass, as
+    torch.testing's do. ``type(t)`` rather than isinstance, since every subclass is an
+    instance of torch.Tensor; a plain nn.Parameter is a plain tensor.
+    """
     import torch
 
+    plain = (torch.Tensor, torch.nn.Parameter)
     return on.type != "mps" and all(
-        t.is_floating_point() and t.dtype.itemsize > 1 and t.layout == torch.strided
+        type(t) in plain
+        and t.is_floating_point()
+        and t.dtype.itemsize > 1
+        and t.layout == torch.strided
         for t in tensors
     )
 
@@ -322,7 +334,10 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
 
 
 def _check_alone(item: Item) -> ItemCheck:
-    """An item outside the batched pass (complex, sparse, across devices...), by itself."""
+    """An item outside the batched pass (complex, sparse, across devices, tensor
+    subclasses...), by itself, with a host read per statistic."""
+    import torch
+
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
@@ -331,7 +346,8 @@ def _check_alone(item: Item) -> ItemCheck:
     own = _stats(actual, item.golden)
     ref = _stats(item.reference, item.golden)
     golden = item.golden.detach()
-    finite = golden[golden.isfinite()].abs()
+    # A mask, not boolean indexing: a sharded DTensor cannot index by a data-dependent shape.
+    finite = torch.where(golden.isfinite(), golden.abs(), 0.0)
     scale = float(finite.max()) if finite.numel() else 0.0
     return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale)
 

@@ -26,6 +26,7 @@ def number_problem(value: Any, *, minimum: float, inclusive: bool = True) -> str
 
 def check_number(value: Any, name: str, *, minimum: float, inclusive: bool = True) -> float:
     """``value`` as a float; a ValueError that names ``name`` where it is no such number."""
+    __tracebackhide__ = True  # a failure shows the caller's line
     problem = number_problem(value, minimum=minimum, inclusive=inclusive)
     if problem is not None:
         raise ValueError(f"{name} {problem}, got {value!r}")

@@ -243,7 +243,8 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
 
     setup = gradref_state(request.config).setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
-    recording = request.node.stash.setdefault(recording_key, Recording())
+    # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
+    recording = request.node.stash[recording_key] = Recording()
     strategy = overrides.strategy or setup.effective_strategy()
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).

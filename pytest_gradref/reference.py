@@ -11,6 +11,7 @@ its true gradient, and it is what grad_and_value returns, so the two strategies 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
@@ -64,12 +65,52 @@ class Disagreement:
 
 @dataclass
 class Recording:
-    """What one test's references checked, collected for the report."""
+    """What one test's references checked, collected for the report.
+
+    A Hypothesis test runs its body once per example; the record keeps one example, the one
+    with the least headroom (a failing one when the test failed), not every example's items.
+    Between examples the lists hold the worst example so far; during one, that example's own.
+    """
 
     checks: list[ItemCheck] = field(default_factory=list)
     disagreements: list[Disagreement] = field(default_factory=list)
     # The strategy whose result each reference handed the test (never "crosscheck").
     strategies: list[str] = field(default_factory=list)
+    # The worst finished example while another one runs; None outside an example.
+    _kept: tuple[list[ItemCheck], list[Disagreement], list[str]] | None = None
+
+    def add_checks(self, checks: Sequence[ItemCheck]) -> None:
+        self._enter_example()
+        self.checks.extend(checks)
+
+    def add_reference(self, strategy: str, disagreements: Sequence[Disagreement]) -> None:
+        self._enter_example()
+        self.strategies.append(strategy)
+        self.disagreements.extend(disagreements)
+
+    def _enter_example(self) -> None:
+        from pytest_gradref.examples import call_at_example_end
+
+        if self._kept is None and call_at_example_end(self._leave_example):
+            self._kept = (self.checks, self.disagreements, self.strategies)
+            self.checks, self.disagreements, self.strategies = [], [], []
+
+    def _leave_example(self) -> None:
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] and _tightness(kept[0]) < _tightness(self.checks):
+            self.checks, self.disagreements, self.strategies = kept
+
+
+def _tightness(checks: Sequence[ItemCheck]) -> float:
+    """The least headroom of an example's items: lower is closer to failing. An item without
+    statistics counts as -inf when it failed, +inf when it passed."""
+    least = math.inf
+    for check in checks:
+        headroom = check.headroom
+        if math.isnan(headroom):
+            headroom = math.inf if check.passed else -math.inf
+        least = min(least, headroom)
+    return least
 
 
 @dataclass(frozen=True)
@@ -153,6 +194,9 @@ class Reference:
             AssertionError: an item differs beyond its tolerance or budget.
             TypeError, ValueError: the arguments do not line up with the reference.
         """
+        # pytest then ends a failure's traceback at the test's line, as torch.testing does;
+        # the helpers below hide their frames too (--full-trace shows them).
+        __tracebackhide__ = True
         if budget is not None and (rtol is not None or atol is not None):
             raise ValueError("assert_close() takes either budget= or rtol=/atol=, not both")
         if budget is None and rtol is None and atol is None:
@@ -180,7 +224,7 @@ class Reference:
             items.append(ToleranceItem(label, actual, expected, resolved))
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
         if self.policy.recording is not None:
-            self.policy.recording.checks.extend(checks)
+            self.policy.recording.add_checks(checks)
         if not all(check.passed for check in checks):
             header = f"Reference mismatch ({self.backend} backend, {self.strategy} reference)"
             raise AssertionError(format_failures(header, checks))
@@ -192,6 +236,7 @@ class Reference:
         param_grads: ActualParamGrads,
     ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any]]:
         """(label, actual, reference, golden or None) for every item, validated."""
+        __tracebackhide__ = True
         import torch
 
         golden = self.golden
@@ -247,6 +292,7 @@ def normalize_argnums(
     fn: Callable[..., Any], args: Sequence[Any], argnums: Argnums, *, is_module: bool
 ) -> tuple[int, ...]:
     """Validated, non-negative argnums; raises a TypeError/ValueError that names the fault."""
+    __tracebackhide__ = True
     import torch
 
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
@@ -353,6 +399,7 @@ class _Problem:
         diff_params: Mapping[str, Any],
         buffers: Mapping[str, torch.Tensor],
     ) -> Any:
+        __tracebackhide__ = True
         full = list(self.args)
         for position, tensor in zip(self.argnums, diff_args):
             full[position] = tensor
@@ -364,6 +411,7 @@ class _Problem:
         return self.fn(*full, **self.kwargs)
 
     def split(self, out: Any) -> tuple[torch.Tensor, Any]:
+        __tracebackhide__ = True
         import torch
 
         name = _describe(self.fn)
@@ -404,6 +452,7 @@ class _Result:
 
 
 def _by_autograd(problem: _Problem) -> _Result:
+    __tracebackhide__ = True
     import torch
     from torch.utils._pytree import tree_map
 
@@ -427,6 +476,7 @@ def _by_autograd(problem: _Problem) -> _Result:
 
 
 def _by_grad_and_value(problem: _Problem) -> _Result:
+    __tracebackhide__ = True
     import torch
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -438,6 +488,7 @@ def _by_grad_and_value(problem: _Problem) -> _Result:
         diff_params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        __tracebackhide__ = True
         loss, aux = problem.split(problem.call(diff_args, diff_params, buffers))
         leaves, spec = tree_flatten(aux)
         aux_parts.update(leaves=leaves, spec=spec)
@@ -547,6 +598,7 @@ def _golden_problem(problem: _Problem, dtype: torch.dtype, device: torch.device 
 
 
 def _check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
+    __tracebackhide__ = True
     import torch
 
     if not isinstance(golden, torch.dtype) or not golden.is_floating_point:
@@ -582,6 +634,7 @@ def compute_reference(
     primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
     given, else where the inputs are).
     """
+    __tracebackhide__ = True
     import torch
 
     if strategy not in STRATEGY_CHOICES:
@@ -620,10 +673,8 @@ def compute_reference(
             for name, grad in result.param_grads.items()
         ]
         crosscheck = tuple(_disagreement(*pair, policy, primary, other_strategy) for pair in pairs)
-        if policy.recording is not None:
-            policy.recording.disagreements.extend(crosscheck)
     if policy.recording is not None:
-        policy.recording.strategies.append(primary)
+        policy.recording.add_reference(primary, crosscheck or ())
 
     golden_result = None
     if golden is not None:
@@ -668,6 +719,19 @@ class GradReference:
     golden: torch.dtype | None = None
     golden_on_cpu: frozenset[str] = frozenset()
 
+    def __repr__(self) -> str:
+        # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
+        # failing test's locals), and the policy's tables and recording run to dozens of lines.
+        fields = f"backend={self.policy.backend!r}, strategy={self.strategy!r}"
+        if self.golden is not None:
+            fields += f", golden={self.golden}"
+        return f"GradReference({fields})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # IPython's pretty-printing protocol, which Hypothesis' falsifying-example printer
+        # follows; without it that printer lists a dataclass's fields instead of its repr.
+        printer.text(repr(self))
+
     def __call__(
         self,
         fn: Callable[..., Any],
@@ -685,6 +749,7 @@ class GradReference:
         ``golden=torch.float64`` the reference is also computed in that dtype, for
         ``Reference.assert_close(..., budget=k)``.
         """
+        __tracebackhide__ = True
         import torch
 
         golden = golden if golden is not None else self.golden

@@ -69,7 +69,9 @@ class ReportCollector:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = report.__dict__.get(RECORD_ATTRIBUTE)
-        if record is not None:
+        # A test that pytest-rerunfailures runs again is recorded by its last run only (the
+        # outcome of the others is "rerun", outside pytest's own type).
+        if record is not None and str(report.outcome) != "rerun":
             self.records.append({**record, "outcome": report.outcome})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

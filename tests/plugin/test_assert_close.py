@@ -4,6 +4,7 @@ where the tolerance came from) and which tolerance is in force."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -112,67 +113,99 @@ def test_less_precise_dtype_decides(grad_reference):
 TEST_ID = "test_assert_close_failure_messages"
 
 
+# What each failing test of FAILURES prints, in its own section of the output: the sections
+# come in whatever order the tests ran (pytest-randomly shuffles them).
+HEADER = "E * Reference mismatch (cpu backend, autograd reference): "
+F32 = "E * tolerance rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32"
+EXPECTED_FAILURES = {
+    "test_gradient_of_an_argument": [
+        HEADER + "1 of 3 items differ",
+        "E * - gradient of argument 1 (w):",
+        "E * Tensor-likes are not close!",
+        "E * Mismatched elements: 1 / 6 (16.7%)",
+        "E * Greatest absolute difference: 0.5 at index (0, 1) (up to 1e-05 allowed)",
+        "E * Greatest relative difference: 0.5 at index (0, 1) (up to 1.3e-06 allowed)",
+        F32,
+    ],
+    "test_value": [
+        HEADER + "1 of 2 items differ",
+        "E * - value:",
+        "E * Scalars are not close!",
+        "E * Expected 12.0 but got 12.5.",
+        "E * Absolute difference: 0.5 (up to 1e-05 allowed)",
+        "E * Relative difference: 0.041666* (up to 1.3e-06 allowed)",
+        F32,
+    ],
+    "test_several_items": [
+        HEADER + "2 of 3 items differ",
+        "E * - gradient of argument 0 (x):",
+        "E * Mismatched elements: 1 / 6 (16.7%)",
+        "E * Greatest absolute difference: 4.0 at index (1, 2) *",
+        "E * - gradient of argument 1 (w):",
+        "E * Mismatched elements: 6 / 6 (100.0%)",
+    ],
+    "test_gradient_of_a_parameter": [
+        HEADER + "1 of 3 items differ",
+        "E * - gradient of parameter 'weight':",
+        "E * Mismatched elements: 1 / 4 (25.0%)",
+        "E * Greatest absolute difference: 0.00099* at index (3,) (up to 1e-05 allowed)",
+        F32,
+    ],
+    "test_missing_gradient": [
+        HEADER + "1 of 2 items differ",
+        "E * - gradient of argument 0 (x):",
+        "E * None: did backward() reach it?",
+    ],
+    "test_wrong_shape": [
+        "E * - gradient of argument 0 (x):",
+        "E * shape (3,) differs from the reference's (2, 3)",
+    ],
+    "test_tolerance_from_marker": [
+        "E * Greatest absolute difference: 9.99999*e-09 at index (0,) (up to 1e-09 allowed)",
+        "E * tolerance rtol=0, atol=1e-09 from the test's @pytest.mark.gradref marker",
+    ],
+    "test_rtol_from_marker_atol_from_table": [
+        "E * tolerance rtol=1e-09, atol=1e-05 from rtol from the test's @pytest.mark.gradref "
+        "marker, atol from torch.testing's default for float32",
+    ],
+    "test_tolerance_from_arguments": [
+        "E * tolerance rtol=0.001, atol=0.0001 from the assert_close() arguments",
+    ],
+    "test_arguments_over_marker": [
+        "E * tolerance rtol=0.001, atol=0.0001 from rtol from the test's "
+        "@pytest.mark.gradref marker, atol from the assert_close() arguments",
+    ],
+    "test_less_precise_dtype_decides": [
+        "E * tolerance rtol=0.016, atol=1e-05 from torch.testing's default for bfloat16",
+    ],
+}
+
+
+def failure_sections(lines: list[str]) -> dict[str, pytest.LineMatcher]:
+    """The FAILURES part of a run's output, one section per failed test, by test name."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in lines:
+        match = re.fullmatch(r"_+ (test_\w+) _+", line)
+        if match:
+            current = sections.setdefault(match.group(1), [])
+        elif line.startswith("=") and sections:
+            current = []  # the end of FAILURES
+        else:
+            current.append(line)
+    return {name: pytest.LineMatcher(body) for name, body in sections.items()}
+
+
 def test_assert_close_failure_messages(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(**{TEST_ID: FAILURES})
     result = pytester.runpytest("--gradref-device=cpu")
     result.assert_outcomes(failed=11)
-    header = "E * Reference mismatch (cpu backend, autograd reference): "
-    f32 = "E * tolerance rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32"
-    result.stdout.fnmatch_lines(
-        [
-            "*_ test_gradient_of_an_argument _*",
-            header + "1 of 3 items differ",
-            "E * - gradient of argument 1 (w):",
-            "E * Tensor-likes are not close!",
-            "E * Mismatched elements: 1 / 6 (16.7%)",
-            "E * Greatest absolute difference: 0.5 at index (0, 1) (up to 1e-05 allowed)",
-            "E * Greatest relative difference: 0.5 at index (0, 1) (up to 1.3e-06 allowed)",
-            f32,
-            "*_ test_value _*",
-            header + "1 of 2 items differ",
-            "E * - value:",
-            "E * Scalars are not close!",
-            "E * Expected 12.0 but got 12.5.",
-            "E * Absolute difference: 0.5 (up to 1e-05 allowed)",
-            "E * Relative difference: 0.041666* (up to 1.3e-06 allowed)",
-            f32,
-            "*_ test_several_items _*",
-            header + "2 of 3 items differ",
-            "E * - gradient of argument 0 (x):",
-            "E * Mismatched elements: 1 / 6 (16.7%)",
-            "E * Greatest absolute difference: 4.0 at index (1, 2) *",
-            "E * - gradient of argument 1 (w):",
-            "E * Mismatched elements: 6 / 6 (100.0%)",
-            "*_ test_gradient_of_a_parameter _*",
-            header + "1 of 3 items differ",
-            "E * - gradient of parameter 'weight':",
-            "E * Mismatched elements: 1 / 4 (25.0%)",
-            "E * Greatest absolute difference: 0.00099* at index (3,) (up to 1e-05 allowed)",
-            f32,
-            "*_ test_missing_gradient _*",
-            header + "1 of 2 items differ",
-            "E * - gradient of argument 0 (x):",
-            "E * None: did backward() reach it?",
-            "*_ test_wrong_shape _*",
-            "E * - gradient of argument 0 (x):",
-            "E * shape (3,) differs from the reference's (2, 3)",
-            "*_ test_tolerance_from_marker _*",
-            "E * Greatest absolute difference: 9.99999*e-09 at index (0,) (up to 1e-09 allowed)",
-            "E * tolerance rtol=0, atol=1e-09 from the test's @pytest.mark.gradref marker",
-            "*_ test_rtol_from_marker_atol_from_table _*",
-            "E * tolerance rtol=1e-09, atol=1e-05 from rtol from the test's @pytest.mark.gradref "
-            "marker, atol from torch.testing's default for float32",
-            "*_ test_tolerance_from_arguments _*",
-            "E * tolerance rtol=0.001, atol=0.0001 from the assert_close() arguments",
-            "*_ test_arguments_over_marker _*",
-            "E * tolerance rtol=0.001, atol=0.0001 from rtol from the test's "
-            "@pytest.mark.gradref marker, atol from the assert_close() arguments",
-            "*_ test_less_precise_dtype_decides _*",
-            "E * tolerance rtol=0.016, atol=1e-05 from torch.testing's default for bfloat16",
-        ]
-    )
-    # Items that match are not listed.
-    result.stdout.no_fnmatch_line("E * - value:*1 / 6*")
+    sections = failure_sections(result.stdout.lines)
+    assert set(sections) == set(EXPECTED_FAILURES)
+    for name, expected in EXPECTED_FAILURES.items():
+        sections[name].fnmatch_lines(expected)
+        # Items that match are not listed.
+        sections[name].no_fnmatch_line("E * - value:*1 / 6*")
 
 
 def test_failing_items_only_are_listed(pytester: pytest.Pytester) -> None:

@@ -8,6 +8,7 @@ run that installs it is a subprocess.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -293,16 +294,23 @@ def test_a_real_torch_npu_is_never_shadowed(
     # An importable torch_npu that reports a device stands for real hardware.
     package = pytester.mkpydir("torch_npu")
     (package / "__init__.py").write_text(REAL_TORCH_NPU)
-    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    # Prepended: an environment that installs the plugin through PYTHONPATH keeps it.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path), *_pythonpath()]))
     pytester.makepyfile("def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("--gradref-simulate=npu")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    # The message first: a usage error of another kind (the plugin lost, an unknown option)
+    # has the same exit status.
     result.stderr.fnmatch_lines(
         [
             "ERROR: --gradref-simulate=npu refused: a real torch_npu is installed and imports "
             "(1 NPU device(s) visible)*"
         ]
     )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+def _pythonpath() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 @pytest.mark.parametrize("source", ["cli", "env", "ini"])
