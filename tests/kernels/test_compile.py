@@ -3,8 +3,8 @@ floating dtype, with and without biases, on both implementations, in default mod
 ``fullgraph=True`` and with ``dynamic=True``; no graph break, at most one recompile when the
 row count changes.
 
-Each case resets Dynamo and compiles once, on small shapes: the loss is one custom operator for
-Inductor, so a compile takes a second or two on the CPU. Dynamo's count of the graphs it
+Each case resets Dynamo and compiles once, on small shapes: Inductor sees the loss as custom
+operators, so a compile takes a second or two on the CPU. Dynamo's count of the graphs it
 captured is checked, so a case that broke its graph or fell back to eager fails instead of
 passing unnoticed.
 """
