@@ -19,7 +19,7 @@ class ForwardResult:
     """What the forward pass produces: the losses, and the gradients. The weight and bias
     gradients are those of the summed loss (grad_output = num_valid), which backward scales by
     ``inv_num_valid * grad_output``; so is the input gradient where :func:`input_grad_is_mean`
-    false (float16 inputs, in a float32 buffer), else it is that of the mean loss already."""
+    says no (float16 inputs, in a float32 buffer), else it is that of the mean loss already."""
 
     loss: Tensor
     soft: Tensor
@@ -32,7 +32,8 @@ class ForwardResult:
 
 def input_grad_is_mean(dtype: torch.dtype) -> bool:
     """Whether the forward pass's input gradient is that of the mean loss, rounded to the input
-    dtype, rather than a float32 sum waiting for backward's scaling (float16: see below)."""
+    dtype, rather than a float32 sum waiting for backward's scaling (float16, whose range
+    cannot hold the per-row gradients of a mean over many rows)."""
     return dtype != torch.float16
 
 
