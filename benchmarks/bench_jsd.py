@@ -191,6 +191,18 @@ def _ours(path: str, chunk_size: int, loss_kwargs: dict[str, Any]) -> LossFn:
     return lambda p: fused_linear_jsd(*p.args(), **kwargs)
 
 
+def _ours_compiled(chunk_size: int, loss_kwargs: dict[str, Any]) -> LossFn:
+    # The loss inside a compiled function, as a compiled training step holds it; "auto" is
+    # the Triton path on CUDA, the portable one elsewhere.
+    kwargs = {**loss_kwargs, "chunk_size": chunk_size}
+
+    def loss(*args: torch.Tensor | None) -> torch.Tensor:
+        return fused_linear_jsd(*args, **kwargs)  # type: ignore[arg-type,return-value]
+
+    compiled = torch.compile(loss, fullgraph=True)
+    return lambda p: compiled(*p.args())
+
+
 def _eager(loss_kwargs: dict[str, Any]) -> LossFn:
     return lambda p: jsd_distillation_reference(*p.args(), **loss_kwargs)
 
@@ -229,6 +241,12 @@ def all_impls(
             about.format("triton"),
             _ours("triton", chunk_size, loss_kwargs) if on_cuda else None,
             "" if on_cuda else "measured on CUDA only",
+        ),
+        Impl(
+            "ours-compiled",
+            "gradref_kernels fused_linear_jsd, implementation='auto', inside "
+            "torch.compile(fullgraph=True)",
+            _ours_compiled(chunk_size, loss_kwargs),
         ),
         Impl(
             "eager",
@@ -647,7 +665,15 @@ def write_outputs(
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    impl_names = [FLOOR, "ours-torch", "ours-triton", "eager", "liger-compiled", "liger-eager"]
+    impl_names = [
+        FLOOR,
+        "ours-torch",
+        "ours-triton",
+        "ours-compiled",
+        "eager",
+        "liger-compiled",
+        "liger-eager",
+    ]
     parser = argparse.ArgumentParser(description="Speed, memory and precision of the JSD loss.")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder")
     quick_names = ", ".join(shape.name for shape in QUICK_SHAPES)

@@ -71,12 +71,9 @@ def select_chunk_kernel(
     the portable PyTorch math."""
     # "auto" takes Triton on CUDA only; an explicit "triton" also runs wherever the module
     # says it can (e.g. CPU tensors under TRITON_INTERPRET=1, which tests the kernel anywhere).
-    # Under an outer torch.compile the portable math is traced into the caller's graph: dynamo
-    # does not trace through the Triton kernel's launch reliably.
-    tracing = torch.compiler.is_compiling()
-    if implementation == "triton" or (
-        implementation == "auto" and device.type == "cuda" and not tracing
-    ):
+    # Called by the custom operators of ``_ops`` as they run, never by traced code: under
+    # torch.compile a compiled step takes the same path as eager.
+    if implementation == "triton" or (implementation == "auto" and device.type == "cuda"):
         module, reason = _triton_module(device, dtype)
         if module is not None:
             return ChunkKernel(

@@ -18,17 +18,23 @@ from ._options import LossOptions
 class ForwardResult:
     """What the forward pass produces: the losses, and the gradients. The weight and bias
     gradients are those of the summed loss (grad_output = num_valid), which backward scales by
-    ``inv_num_valid * grad_output``; so is the input gradient where ``input_grad_is_mean`` is
-    false (float16 inputs, in a float32 buffer), else it is that of the mean loss already."""
+    ``inv_num_valid * grad_output``; so is the input gradient where :func:`input_grad_is_mean`
+    says no (float16 inputs, in a float32 buffer), else it is that of the mean loss already."""
 
     loss: Tensor
     soft: Tensor
     hard: Tensor
     inv_num_valid: Tensor
     grad_x: Tensor | None
-    input_grad_is_mean: bool
     grad_weight: Tensor | None
     grad_bias: Tensor | None
+
+
+def input_grad_is_mean(dtype: torch.dtype) -> bool:
+    """Whether the forward pass's input gradient is that of the mean loss, rounded to the input
+    dtype, rather than a float32 sum waiting for backward's scaling (float16, whose range
+    cannot hold the per-row gradients of a mean over many rows)."""
+    return dtype != torch.float16
 
 
 def chunked_forward(
@@ -61,13 +67,12 @@ def chunked_forward(
     # gradients of a mean over many rows underflow in float16 before a loss scaler's factor
     # arrives.
     inv_num_valid = valid.sum().clamp_min(1).to(acc_dtype).reciprocal()
-    input_grad_is_mean = x.dtype != torch.float16
     mean_scale = None
-    if input_grad_is_mean:
+    if input_grad_is_mean(x.dtype):
         # Read on the host where that is free and the product rounds to a low precision
-        # (under torch.compile the read would break the caller's graph).
+        # (this loop runs inside a custom operator, so the read never reaches a traced graph).
         readable = device.type == "cpu" and x.dtype == torch.bfloat16
-        host = float(inv_num_valid) if readable and not torch.compiler.is_compiling() else None
+        host = float(inv_num_valid) if readable else None
         mean_scale = MeanScale(inv_num_valid, host)
     # The chunk functions leave the logit gradients of ignored rows unspecified; they are
     # dropped on the small side of the matmuls: zero input rows in the weight gradient's
@@ -76,7 +81,7 @@ def chunked_forward(
     soft_parts: list[Tensor] = []
     hard_parts: list[Tensor] = []
 
-    grad_x_dtype = x.dtype if input_grad_is_mean else torch.float32
+    grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
     grad_x = torch.empty(x.shape, dtype=grad_x_dtype, device=device) if need_grad_x else None
     # The weight gradient is summed over chunks in float32. The first chunk overwrites the
     # buffer, so it needs no zeroing pass, unless there are no rows at all.
@@ -180,7 +185,6 @@ def chunked_forward(
         hard=hard,
         inv_num_valid=inv_num_valid,
         grad_x=grad_x,
-        input_grad_is_mean=input_grad_is_mean,
         grad_weight=grad_weight_acc,
         grad_bias=grad_bias_acc,
     )

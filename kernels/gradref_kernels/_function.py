@@ -1,5 +1,5 @@
-"""The autograd Function of the fused loss: forward runs the chunk loop, backward scales its
-gradients by grad_output."""
+"""The autograd Function of the fused loss: forward runs the chunk loop's operator, backward
+scales its gradients by grad_output."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._dispatch import ChunkKernel, ScaledCast
-from ._forward import chunked_forward
+from ._forward import input_grad_is_mean
+from ._ops import chunked_forward_op, scaled_cast_op
 from ._options import LossOptions
 
 
@@ -29,7 +29,7 @@ class FusedLinearJSDFunction(torch.autograd.Function):
         teacher_bias: Tensor | None,
         options: LossOptions,
         chunk_size: int,
-        chunk_kernel: ChunkKernel,
+        implementation: str,
         grad_enabled: bool,
         return_soft_hard_loss: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -38,7 +38,8 @@ class FusedLinearJSDFunction(torch.autograd.Function):
         compute_soft = (
             options.weight_soft != 0.0 or return_soft_hard_loss or not options.compute_hard
         )
-        result = chunked_forward(
+        need_grads = (need[0], need[1], bias is not None and need[5])
+        loss, soft, hard, inv_num_valid, grad_x, grad_weight, grad_bias = chunked_forward_op(
             x,
             weight,
             teacher_x,
@@ -46,22 +47,26 @@ class FusedLinearJSDFunction(torch.autograd.Function):
             labels,
             bias,
             teacher_bias,
-            options=options,
-            chunk_size=chunk_size,
-            chunk_kernel=chunk_kernel,
-            compute_soft=compute_soft,
-            need_grad_x=need[0],
-            need_grad_weight=need[1],
-            need_grad_bias=bias is not None and need[5],
+            options.beta,
+            options.temperature,
+            options.ignore_index,
+            options.weight_hard,
+            options.weight_soft,
+            options.compute_hard,
+            compute_soft,
+            chunk_size,
+            implementation,
+            *need_grads,
         )
         ctx.save_for_backward(
-            result.inv_num_valid, result.grad_x, result.grad_weight, result.grad_bias
+            inv_num_valid,
+            *(g if flag else None for g, flag in zip((grad_x, grad_weight, grad_bias), need_grads)),
         )
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.input_grad_is_mean = result.input_grad_is_mean
-        ctx.scaled_cast = chunk_kernel.scaled_cast
-        ctx.mark_non_differentiable(result.soft, result.hard)
-        return result.loss, result.soft, result.hard
+        ctx.input_grad_is_mean = input_grad_is_mean(x.dtype)
+        ctx.implementation = implementation
+        ctx.mark_non_differentiable(soft, hard)
+        return loss, soft, hard
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
@@ -73,16 +78,17 @@ class FusedLinearJSDFunction(torch.autograd.Function):
         # power-of-two loss scales, in any dtype).
         scales = (grad_loss if ctx.input_grad_is_mean else scale, scale, scale)
         grads = [
-            None if g is None else _scale_to(g, s, dtype, ctx.scaled_cast)
+            None if g is None else _scale_to(g, s, dtype, ctx.implementation)
             for g, s, dtype in zip(saved, scales, ctx.dtypes)
         ]
         return (grads[0], grads[1], None, None, None, grads[2]) + (None,) * 6
 
 
-def _scale_to(grad: Tensor, scale: Tensor, dtype: torch.dtype, scaled_cast: ScaledCast) -> Tensor:
+def _scale_to(grad: Tensor, scale: Tensor, dtype: torch.dtype, implementation: str) -> Tensor:
     """``grad * scale`` as ``dtype``: a float32 sum is scaled and rounded in one pass."""
     if grad.dtype != dtype:
-        return scaled_cast(grad, scale.to(grad.dtype), dtype)
+        scaled: Tensor = scaled_cast_op(grad, scale.to(grad.dtype), dtype, implementation)
+        return scaled
     # A multi-tensor kernel reads the 0-dim scale on the device once; ``grad * scale`` would
     # broadcast it through the generic mixed-dtype elementwise path, several times slower on
     # a bfloat16 gradient.

@@ -16,9 +16,9 @@ def check_options(
     beta: float, temperature: float, ignore_index: int, chunk_size: int, implementation: str
 ) -> None:
     """Checks of the scalar options, shared by the functional and the module constructor."""
-    if not isinstance(temperature, (int, float)) or not (
-        temperature > 0 and math.isfinite(temperature)
-    ):
+    # Comparisons rather than math.isfinite: under torch.compile(dynamic=True) a float option
+    # may arrive as a symbolic float, which comparisons guard on and math functions reject.
+    if not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
         raise ValueError(
             f"temperature must be a positive finite number, got {temperature!r}; "
             "use 1.0 for unscaled logits"

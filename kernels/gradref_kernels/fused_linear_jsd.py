@@ -9,8 +9,13 @@ gradient with respect to the logits (see :mod:`gradref_kernels._chunk_torch`).
 This module is the public face; the parts live in private modules: the argument checks
 (``_validation``), the loss options handed down as one object (``_options``), the choice of
 the per-chunk function (``_dispatch``), the matmuls (``_matmuls``), the loop over chunks
-(``_forward``), the autograd Function (``_function``), and the per-chunk math
-(``_chunk_torch``, ``_chunk_triton``).
+(``_forward``), the custom operators that ``torch.compile`` sees (``_ops``), the autograd
+Function (``_function``), and the per-chunk math (``_chunk_torch``, ``_chunk_triton``).
+
+Under ``torch.compile`` (default, ``fullgraph=True``, ``dynamic=True``, in a compiled module)
+the loop over chunks is one custom operator and backward's scaled cast another: a compiled
+step runs the same kernels as eager, with no graph break and nothing in the graph that reads
+the host or depends on the row count.
 
 Per chunk of ``n`` rows: the student logits in float32 (float64 for float64 inputs) and the
 teacher logits (in the matmul dtype for the Triton kernel, in float32 for the PyTorch math);
@@ -24,7 +29,7 @@ time). Besides its inputs and gradients, a call holds these two ``(n, V)`` buffe
 grows with N. The gradient of the weight is accumulated in a float32 ``(V, H)`` buffer (the
 gradient itself for float32 weights), which backward scales and rounds in one pass. Nothing
 reads a tensor value on the host, except on the CPU (the label check, and 1/num_valid for the
-matmul that rounds ``grad_input``).
+matmul that rounds ``grad_input``), inside the custom operator.
 
 Where this differs from Liger-Kernel 0.8.5, on purpose:
 
@@ -43,7 +48,8 @@ Where this differs from Liger-Kernel 0.8.5, on purpose:
 - the soft loss, and the teacher's matmul, are skipped when it is neither weighted nor
   returned, as Liger skips the hard loss;
 - ``compiled`` is accepted and has no effect: the Triton path is fused already, and the
-  portable path is fast enough eager (and runs where inductor does not).
+  portable path is fast enough eager (and runs where inductor does not); under an outer
+  ``torch.compile`` both stay what they are eagerly (see above).
 """
 
 from __future__ import annotations
@@ -53,11 +59,9 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ._dispatch import select_chunk_kernel
 from ._function import FusedLinearJSDFunction
-from ._matmuls import dense
 from ._options import LossOptions
-from ._validation import check_label_range, check_options, check_tensors
+from ._validation import check_options, check_tensors
 
 __all__ = ["FusedLinearJSDLoss", "fused_linear_jsd"]
 
@@ -146,9 +150,7 @@ def fused_linear_jsd(
             "teacher_bias": teacher_bias,
         }
     )
-    chunk_kernel = select_chunk_kernel(implementation, student_input.device, student_input.dtype)
     labels = true_labels.reshape(-1).long().contiguous()
-    check_label_range(labels, student_weight.shape[0], ignore_index)
     weight_hard = float(weight_hard_loss)
     options = LossOptions(
         beta=float(beta),
@@ -159,16 +161,16 @@ def fused_linear_jsd(
         compute_hard=weight_hard != 0.0 or bool(return_soft_hard_loss),
     )
     outputs: tuple[Tensor, Tensor, Tensor] = FusedLinearJSDFunction.apply(  # type: ignore[no-untyped-call]
-        dense(student_input.reshape(-1, student_input.shape[-1])),
-        dense(student_weight),
-        dense(teacher_input.reshape(-1, teacher_input.shape[-1])),
-        dense(teacher_weight),
+        student_input.reshape(-1, student_input.shape[-1]),
+        student_weight,
+        teacher_input.reshape(-1, teacher_input.shape[-1]),
+        teacher_weight,
         labels,
         student_bias,
         teacher_bias,
         options,
         chunk_size,
-        chunk_kernel,
+        implementation,
         torch.is_grad_enabled(),
         bool(return_soft_hard_loss),
     )
