@@ -19,7 +19,7 @@ backward only scales the saved gradients; the scaled cast is an operator of its 
 that backward is traced.
 """
 
-from __future__ import annotations
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -30,6 +30,8 @@ from ._matmuls import dense
 from ._options import LossOptions
 from ._validation import check_label_range
 
+# torch.library reads these annotations at run time, where Python 3.9 has no ``X | None``:
+# hence Optional, and no postponed annotations in this module.
 ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
@@ -45,8 +47,8 @@ def chunked_forward_op(
     teacher_x: Tensor,
     teacher_weight: Tensor,
     labels: Tensor,
-    bias: Tensor | None,
-    teacher_bias: Tensor | None,
+    bias: Optional[Tensor],
+    teacher_bias: Optional[Tensor],
     beta: float,
     temperature: float,
     ignore_index: int,
@@ -105,8 +107,8 @@ def _(
     teacher_x: Tensor,
     teacher_weight: Tensor,
     labels: Tensor,
-    bias: Tensor | None,
-    teacher_bias: Tensor | None,
+    bias: Optional[Tensor],
+    teacher_bias: Optional[Tensor],
     beta: float,
     temperature: float,
     ignore_index: int,
