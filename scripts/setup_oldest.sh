@@ -4,7 +4,7 @@
 # Set GRADREF_OLDEST_PYTHON to an interpreter to use instead of the one found here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step() { printf '[setup_oldest] %s\n' "$*"; }
+step() { printf '[setup_oldest %3ds] %s\n' "$SECONDS" "$*"; }
 
 # The oldest Python comes from pyproject.toml, so raising requires-python moves this env too.
 minor=$(sed -n 's/^requires-python = ">=\(3\.[0-9]*\)"$/\1/p' pyproject.toml)
@@ -34,8 +34,8 @@ fi
 step "Python: $python ($("$python" -c 'import platform; print(platform.python_version())'))"
 rm -rf .venv-oldest
 "$python" -m venv .venv-oldest
-pip=(.venv-oldest/bin/python -m pip install --quiet --progress-bar off -c scripts/oldest-constraints.txt)
-step "pip"
+pip=(.venv-oldest/bin/python -m pip install --quiet -c scripts/oldest-constraints.txt)
+step "upgrading pip"
 .venv-oldest/bin/python -m pip install --quiet --upgrade pip
 # torch 2.6.0 exists for this Python only as PyPI's CUDA build, which imports only with its
 # nvidia-* wheels: a few GB, fetched once into pip's cache.
