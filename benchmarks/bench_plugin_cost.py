@@ -184,7 +184,12 @@ def _installed() -> bool:
     """Whether pytest loads the plugin by its entry point (the package is installed)."""
     import importlib.metadata
 
-    return any(ep.name == "gradref" for ep in importlib.metadata.entry_points(group="pytest11"))
+    try:
+        # The distribution's own entry points: entry_points(group=...) needs Python 3.10.
+        entry_points = importlib.metadata.distribution("pytest-gradref").entry_points
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return any(ep.group == "pytest11" and ep.name == "gradref" for ep in entry_points)
 
 
 # Loads the plugin where it is not installed, only importable (from this checkout).

@@ -35,7 +35,9 @@ from pytest_gradref.settings import (
 from pytest_gradref.state import is_xdist_worker
 
 
-@dataclass
+# eq=False keeps the identity hash: pluggy keys registered plugins by their hash (pytest 8.0
+# hashes them when it parses their fixtures), and a dataclass with eq is unhashable.
+@dataclass(eq=False)
 class BaselineGate:
     """A plugin object: the baseline, read when the run starts, and its comparison with the
     run's records at the end."""

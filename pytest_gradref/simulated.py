@@ -30,7 +30,8 @@ What it does not prove: Ascend numerics (every operator is torch's CPU kernel), 
 own operators (``torch_npu.npu_*``) do not exist here. The simulation is process-global and
 cannot be undone; it refuses to install where a real torch_npu imports, with or without a
 device (only a torch_npu that fails to import, which the npu probe reports as unavailable,
-leaves it free).
+leaves it free). It needs torch 2.10 or later (``REQUIRED_TORCH``); on an older torch the
+option is a usage error.
 """
 
 from __future__ import annotations
@@ -358,11 +359,29 @@ def _refuse_real_torch_npu() -> None:
     )
 
 
+# The first torch whose Python code can register a PrivateUse1 device guard: autograd asks the
+# guard of every tensor's device, and without one a Python-defined device aborts the process.
+# An older torch would need a compiled extension, which a pytest option should not build.
+REQUIRED_TORCH = "2.10"
+
+
+def unsupported_reason() -> str | None:
+    """Why this torch cannot run the simulated npu, or None where it can."""
+    from torch.utils import backend_registration
+
+    if hasattr(backend_registration, "_setup_privateuseone_for_python_backend"):
+        return None
+    return (
+        f"the simulated npu needs torch {REQUIRED_TORCH} or later (a Python-registered "
+        f"PrivateUse1 device guard), this is torch {torch.__version__}"
+    )
+
+
 def install(count: int = DEFAULT_DEVICE_COUNT) -> None:
     """Make this process run a simulated npu with ``count`` devices (idempotent).
 
-    Raises pytest.UsageError where a real torch_npu imports, and where PrivateUse1 already
-    belongs to another backend.
+    Raises pytest.UsageError where a real torch_npu imports, where torch is older than
+    REQUIRED_TORCH, and where PrivateUse1 already belongs to another backend.
     """
     if _installed:
         return
@@ -374,6 +393,12 @@ def install(count: int = DEFAULT_DEVICE_COUNT) -> None:
         raise pytest.UsageError(
             f"--gradref-simulate=npu: PyTorch's PrivateUse1 backend is already {taken!r} in "
             "this process, so no simulated npu can be registered"
+        )
+    reason = unsupported_reason()
+    if reason is not None:
+        raise pytest.UsageError(
+            f"--gradref-simulate=npu: {reason}. Install torch>={REQUIRED_TORCH}, or run without "
+            "--gradref-simulate (and unset GRADREF_SIMULATE)."
         )
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 

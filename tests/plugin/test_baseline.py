@@ -133,3 +133,25 @@ def test_unusable_baseline_is_a_usage_error(
     result = pytester.runpytest("--gradref-device=cpu", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+def test_every_registered_plugin_object_is_hashable(
+    pytester: pytest.Pytester, baseline: str
+) -> None:
+    # pytest 8.0 hashes each registered plugin object (a dataclass with eq is unhashable and
+    # crashed the session there); later releases do not, so the main env checks it directly.
+    config = pytester.parseconfigure(
+        "-p",
+        "xdist",
+        "--gradref-device=cpu",
+        "--gradref-report=r.json",
+        f"--gradref-baseline={baseline}",
+    )
+    ours = {
+        name: plugin
+        for name, plugin in config.pluginmanager.list_name_plugin()
+        if name.startswith("gradref")
+    }
+    assert {"gradref-report", "gradref-baseline", "gradref-xdist"} <= set(ours)
+    for name, plugin in ours.items():
+        assert isinstance(hash(plugin), int), name

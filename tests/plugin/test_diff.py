@@ -479,12 +479,13 @@ def test_format_versions_agree() -> None:
 
 
 def test_module_and_console_script(tmp_path: Path) -> None:
-    from importlib.metadata import entry_points
+    from importlib.metadata import distribution
 
-    scripts = entry_points(group="console_scripts")
-    assert [ep.value for ep in scripts if ep.name == "pytest-gradref"] == [
-        "pytest_gradref.__main__:main"
-    ]
+    # The distribution's own entry points: entry_points(group=...) needs Python 3.10.
+    scripts = distribution("pytest-gradref").entry_points
+    assert [
+        ep.value for ep in scripts if ep.group == "console_scripts" and ep.name == "pytest-gradref"
+    ] == ["pytest_gradref.__main__:main"]
     base, new = _pair(tmp_path, BASE)
     done = subprocess.run(
         [sys.executable, "-m", "pytest_gradref", "diff", str(base), str(new)],

@@ -17,6 +17,12 @@ from pytest_gradref import simulated
 
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-rxs")
 
+# The tests that run the simulation skip, with the reason, on a torch too old for it (CI's
+# lower-bound environment); test_older_torch_is_a_usage_error checks what such a run gets.
+needs_simulation = pytest.mark.skipif(
+    simulated.unsupported_reason() is not None, reason=str(simulated.unsupported_reason())
+)
+
 NPU_ROUTE = """
 import sys
 import threading
@@ -140,6 +146,7 @@ def _run_route(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     return pytester.runpytest_subprocess(*args)
 
 
+@needs_simulation
 def test_the_npu_route_runs_on_the_simulated_device(pytester: pytest.Pytester) -> None:
     result = _run_route(pytester, *SIM, "--gradref-report=report.json")
     result.stdout.fnmatch_lines(
@@ -162,6 +169,7 @@ def test_the_npu_route_runs_on_the_simulated_device(pytester: pytest.Pytester) -
     assert [(t["device"], t["simulated"]) for t in report["tests"]] == [("npu:0", True)]
 
 
+@needs_simulation
 def test_crosscheck_on_npu_tensors_from_the_environment(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -196,6 +204,7 @@ def test_real_device(gradref_device):
     result.stdout.no_fnmatch_line("*simulated*")
 
 
+@needs_simulation
 def test_visible_devices_limit_the_count(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -221,6 +230,7 @@ def test_one_visible():
     ).assert_outcomes(passed=1)
 
 
+@needs_simulation
 def test_workers_take_simulated_devices(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
@@ -257,6 +267,7 @@ def test_on_worker_device(i, gradref_device, worker_id, grad_reference):
 KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels" / "test_fused_linear_jsd.py"
 
 
+@needs_simulation
 def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> None:
     # A slice of the kernel suite itself (its conftest and the repository's ini included):
     # backward through the fused loss and grad_and_value references, on npu:0 and npu:1.
@@ -311,6 +322,25 @@ def test_a_real_torch_npu_is_never_shadowed(
 
 def _pythonpath() -> list[str]:
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def test_older_torch_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    # A plugin loaded before gradref's configure hides the API that torch < 2.10 lacks, so
+    # this runs on every torch (on an old one the API is missing already).
+    pytester.makepyfile(
+        hide_api="import torch.utils.backend_registration as registration\n"
+        "vars(registration).pop('_setup_privateuseone_for_python_backend', None)\n",
+        test_nothing="def test_nothing():\n    pass\n",
+    )
+    result = pytester.runpytest_subprocess("-p", "hide_api", "--gradref-simulate=npu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --gradref-simulate=npu: the simulated npu needs torch 2.10 or later (a "
+            "Python-registered PrivateUse1 device guard), this is torch *. Install torch>=2.10, "
+            "or run without --gradref-simulate (and unset GRADREF_SIMULATE)."
+        ]
+    )
 
 
 @pytest.mark.parametrize("source", ["cli", "env", "ini"])
