@@ -198,8 +198,8 @@ def sweep_triton() -> None:
                 name = f"beta={beta} tau={temperature} BLOCK_V={config[0]} num_warps={config[1]}"
                 report(name, n, timings[config], moved)
             block_v, num_warps = min(timings, key=timings.__getitem__)
-            mode = _chunk_triton._mode(beta)
-            shipped = _chunk_triton._default_config(n, VOCAB, mode, temperature == 1.0)
+            soft_loss = _chunk_triton._soft_loss(beta)
+            shipped = _chunk_triton._default_config(n, VOCAB, soft_loss, temperature == 1.0)
             print(
                 f"  best for beta={beta} tau={temperature} n={n}: BLOCK_V={block_v} "
                 f"num_warps={num_warps} ({timings[block_v, num_warps]:.3f} ms; shipped "
