@@ -50,10 +50,10 @@ __all__ = ["jsd_chunk_", "scaled_cast", "triton_unavailable_reason"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Largest tile; tuned on an H200 with benchmarks/tune_chunk.py.
+# Largest tile once the rows fill the GPU: wider tiles do not pay there (_default_config).
 _MAX_BLOCK_V = 2048
-# Elements per program of the scaled cast. Flat on an H200: 0.36 ms for the 128256 x 2048
-# float32 -> bfloat16 weight gradient (90% of the HBM peak) from 1024 to 8192, 4 or 8 warps.
+# Elements per program of the scaled cast, a memory-bound copy whose time does not depend on
+# the block between 1024 and 8192 (benchmarks/results/h200/design-notes.md).
 _CAST_BLOCK = 4096
 
 # The soft loss's specialisations, the row kernel's SOFT_LOSS: the two KL endpoints need one
@@ -377,26 +377,14 @@ def _default_config(n: int, vt: int, soft_loss: int, shared_softmax: bool) -> tu
     (:func:`_soft_loss`); ``shared_softmax`` when the hard loss's softmax is S itself
     (temperature 1, one vocabulary).
 
-    From ``python benchmarks/tune_chunk.py triton`` on an H200 (V = 128256, bf16 teacher and
-    gradient written over it, hard loss on; do_bench medians, ms for 256 / 1024 / 2048 rows):
+    Chosen by ``python benchmarks/tune_chunk.py triton``; the timings, and the layouts tried
+    and left out, are in ``benchmarks/results/h200/design-notes.md``.
 
-    - the mixture's three passes: 2048 x 8 warps from 512 rows up (0.606 / 1.195 at
-      temperature 1, 90% of the HBM peak; 0.674 / 1.311 at 2, where 2048 x 4 is 3% faster);
-    - the two-pass KL endpoints: 1024 x 4 (beta 0: 0.450 / 0.945 at temperature 1 / 2 and
-      1024 rows / 2048 rows; beta 1: 0.436 / 0.982; against 0.503 and 0.951, 0.437 and 1.137 at
-      2048 x 8), except with the shared softmax from 2048 rows, where 2048 x 8 is 15% faster
-      (0.826 and 0.844 against 0.975 and 0.887). Registers (40-130) and spills (none) do not
-      explain the differences: the compiler schedules each specialisation differently;
-    - fewer rows leave SMs idle and prefer wider tiles (256 rows: the mixture 0.182 ms at
-      4096 x 8, the endpoints 0.132-0.185 ms at 4096 x 16).
-
-    Two other layouts were measured for 1024 rows at beta 0.5 and left out:
-    - a persistent grid, one program per SM striding over rows (fewer rows in flight, so the
-      passes re-read more from L2): 0.625 ms at 16384 x 32 warps against 0.655 ms in the same
-      run, slower with narrower tiles or more programs;
-    - each row split over 16 programs holding their part in registers, exchanging partial
-      sums through global memory (each logit read once): 0.64-0.97 ms, as the two waits per
-      row leave too little data in flight to cover the memory latency.
+    - the mixture's three passes: 2048 x 8 warps from 512 rows up;
+    - the two-pass KL endpoints: 1024 x 4, except with the shared softmax from 2048 rows,
+      where 2048 x 8 wins. Registers and spills do not explain the difference: the compiler
+      schedules each specialisation differently, so each is tuned on its own;
+    - fewer rows leave SMs idle and prefer wider tiles.
     """
     width = triton.next_power_of_2(vt)
     if n < 512:
