@@ -3,7 +3,7 @@
     python benchmarks/tune_chunk.py
 
 1. Correctness at the Llama-3 vocabulary against the float64 reference of the per-chunk
-   contract (gradref_kernels._chunk_reference, as in tests/kernels/test_chunk_kernels.py), for
+   contract (tests/kernels/_chunk_reference.py, which test_chunk_kernels.py checks with), for
    the portable PyTorch function and the Triton kernel with their shipped defaults, plus
    run-to-run bitwise equality.
 2. Triton: a BLOCK_V x num_warps sweep in the fused loss's layout (bf16 teacher logits and
@@ -30,9 +30,11 @@ from typing import Callable
 import torch
 from triton.testing import do_bench
 
+# The kernels from the checkout; the float64 oracle from the tests (test support, not shipped).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from _chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels import _chunk_torch, _chunk_triton
-from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels._options import LossOptions
 
 HBM_BYTES_PER_S = 4.3e12
@@ -198,8 +200,8 @@ def sweep_triton() -> None:
                 name = f"beta={beta} tau={temperature} BLOCK_V={config[0]} num_warps={config[1]}"
                 report(name, n, timings[config], moved)
             block_v, num_warps = min(timings, key=timings.__getitem__)
-            mode = _chunk_triton._mode(beta)
-            shipped = _chunk_triton._default_config(n, VOCAB, mode, temperature == 1.0)
+            soft_loss = _chunk_triton._soft_loss(beta)
+            shipped = _chunk_triton._default_config(n, VOCAB, soft_loss, temperature == 1.0)
             print(
                 f"  best for beta={beta} tau={temperature} n={n}: BLOCK_V={block_v} "
                 f"num_warps={num_warps} ({timings[block_v, num_warps]:.3f} ms; shipped "

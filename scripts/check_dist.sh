@@ -24,6 +24,24 @@ wheel_files="$(python -m zipfile -l "${wheel[0]}")"
 for member in licenses/LICENSE pytest_gradref/py.typed gradref_kernels/__init__.py; do
     grep -q "$member" <<<"$wheel_files" || { echo "the wheel lacks $member"; exit 1; }
 done
+# Test support (conftest.py, test modules, the float64 chunk oracle) lives under tests/ and
+# stays out of the wheel: it holds the two packages and its .dist-info only, and no file named
+# like one under tests/ (which catches a helper copied back into a package).
+python - "${wheel[0]}" tests <<'PY'
+import sys
+import zipfile
+from pathlib import Path
+
+wheel, tests = sys.argv[1], Path(sys.argv[2])
+names = zipfile.ZipFile(wheel).namelist()
+test_support = {path.name for path in tests.rglob("*.py")} - {"__init__.py"}
+tops = {name: name.split("/", 1)[0] for name in names}
+outside = [name for name, top in tops.items()
+           if top not in ("pytest_gradref", "gradref_kernels") and not top.endswith(".dist-info")]
+leaked = [name for name in names if name.rsplit("/", 1)[-1] in test_support]
+if outside or leaked:
+    sys.exit(f"the wheel holds test support or stray files: {sorted(outside + leaked)}")
+PY
 
 python -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip install --quiet)

@@ -56,9 +56,8 @@ from ._options import LossOptions
 # Rows per slice: a slice buffer holds at most about this many elements (256 MiB in float32,
 # 523 rows of the Llama-3 vocabulary; a chunk is cut into equal slices below that). The
 # slices bound the scratch memory (one buffer for bf16 inputs at temperature 1, up to four)
-# to a fraction of a chunk's logits; smaller slices run slower (benchmarks/tune_chunk.py,
-# H200, 1024 rows, bf16, beta 0.5: 4.71 ms in one piece, 4.81 in two slices of 512, 5.08 in
-# four of 256).
+# to a fraction of a chunk's logits; smaller slices run slower (the figures are in
+# benchmarks/results/h200/design-notes.md).
 SLICE_ELEMENTS = 1 << 26
 
 

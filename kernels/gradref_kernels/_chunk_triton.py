@@ -50,19 +50,26 @@ __all__ = ["jsd_chunk_", "scaled_cast", "triton_unavailable_reason"]
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-# Largest tile; tuned on an H200 with benchmarks/tune_chunk.py.
+# Largest tile once the rows fill the GPU: wider tiles do not pay there (_default_config).
 _MAX_BLOCK_V = 2048
-# Elements per program of the scaled cast. Flat on an H200: 0.36 ms for the 128256 x 2048
-# float32 -> bfloat16 weight gradient (90% of the HBM peak) from 1024 to 8192, 4 or 8 warps.
+# Elements per program of the scaled cast, a memory-bound copy whose time does not depend on
+# the block between 1024 and 8192 (benchmarks/results/h200/design-notes.md).
 _CAST_BLOCK = 4096
 
-# Soft-loss specialisations: the two KL endpoints need one pass less than the general JSD.
-_BETA_0, _BETA_1, _BETA_MIXED = 0, 1, 2
+# The soft loss's specialisations, the row kernel's SOFT_LOSS: the two KL endpoints need one
+# pass less than the general JSD.
+_KL_TEACHER_STUDENT = 0  # beta == 0: KL(T||S)
+_KL_STUDENT_TEACHER = 1  # beta == 1: KL(S||T)
+_JSD_MIXTURE = 2  # 0 < beta < 1
 
 
 if triton is not None:
     _LOG2E_K = tl.constexpr(_LOG2E)
     _LN2_K = tl.constexpr(_LN2)
+    # A kernel reads module globals only as constexprs.
+    _KL_TEACHER_STUDENT_K = tl.constexpr(_KL_TEACHER_STUDENT)
+    _KL_STUDENT_TEACHER_K = tl.constexpr(_KL_STUDENT_TEACHER)
+    _JSD_MIXTURE_K = tl.constexpr(_JSD_MIXTURE)
     # Stands in for -inf in pass 1: below every real logit, yet _NEG - _NEG is 0, not NaN.
     _NEG = tl.constexpr(-3.0e38)
     # |log2(T / S)| below which L comes from its series: |log(T / S)| < 0.25.
@@ -156,7 +163,7 @@ if triton is not None:
         c7,
         soft_coef,  # d(soft)/dz factor
         weight_hard,
-        MODE: tl.constexpr,  # 0: beta == 0, 1: beta == 1, 2: 0 < beta < 1
+        SOFT_LOSS: tl.constexpr,  # _KL_TEACHER_STUDENT_K, _KL_STUDENT_TEACHER_K or _JSD_MIXTURE_K
         HARD: tl.constexpr,
         SHARE_LSE: tl.constexpr,  # softmax(z) == S (tau == 1, Vt == Vs)
         FAST_LOG2: tl.constexpr,  # compiled for NVIDIA; the CPU interpreter lacks libdevice
@@ -205,7 +212,7 @@ if triton is not None:
                 m_s, d_s, alpha_s, p_s = _online_lse2(m_s, d_s, xs)
                 m_t, d_t, _, _ = _online_lse2(m_t, d_t, xt)
                 # Zero-weight terms are masked out before the product, so no 0 * inf.
-                if MODE == 1:
+                if SOFT_LOSS == _KL_STUDENT_TEACHER_K:
                     e = e * alpha_s + p_s * tl.where(p_s > 0, xs - xt, 0.0)
                 if HARD and not SHARE_LSE:
                     xz = tl.where(cols < vs, z * _LOG2E_K, _NEG)
@@ -222,9 +229,9 @@ if triton is not None:
             # The gradient's row constant, in natural units: KL(S||T) for beta = 1 (from pass
             # 1), K = sum(S L) for the mixture (pass 2).
             k = 0.0
-            if MODE == 1:
+            if SOFT_LOSS == _KL_STUDENT_TEACHER_K:
                 k = (tl.sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
-            if MODE == 2:
+            if SOFT_LOSS == _JSD_MIXTURE_K:
                 # Pass 2: the loss, beta sum(T (d - L)) - (1 - beta) sum(S L) with
                 # d = log T - log S and L = log(M / S) (= beta sum(T d) - sum(M L), see
                 # _chunk_torch): every term is small where S ~ T, none a difference of large
@@ -269,10 +276,10 @@ if triton is not None:
             # small terms where S ~ T (the lse_t - lse_s of pass 1 would carry their rounding).
             # Each tile is written after it is read, so the output may be the teacher logits.
             acc = tl.zeros([BLOCK_V], tl.float32)
-            width = vs if MODE == 2 else vt
+            width = vs if SOFT_LOSS == _JSD_MIXTURE_K else vt
             last = (width - 1) // BLOCK_V * BLOCK_V
             for i in range(0, width, BLOCK_V):
-                cols = (i if MODE == 2 else last - i) + offs
+                cols = (i if SOFT_LOSS == _JSD_MIXTURE_K else last - i) + offs
                 in_s = cols < vs
                 in_t = cols < vt
                 z = tl.load(z_row + cols, mask=in_s, other=0.0)
@@ -281,14 +288,14 @@ if triton is not None:
                 lt = t * scale2 - lse_t
                 s = tl.exp2(ls)
                 # acc: the KL endpoints' terms in base-2 units (converted once, after the sum).
-                if MODE == 0:
+                if SOFT_LOSS == _KL_TEACHER_STUDENT_K:
                     q = tl.exp2(lt)
                     s_minus_q = s - q
                     g = soft_coef * s_minus_q
                     # A zero teacher probability (lt = -inf) adds 0 * finite, not 0 * inf.
                     t_d2 = q * tl.maximum(lt - ls, _NEG)
                     acc += tl.where(in_t, t_d2 + s_minus_q * _LOG2E_K, 0.0)
-                elif MODE == 1:
+                elif SOFT_LOSS == _KL_STUDENT_TEACHER_K:
                     q = tl.exp2(lt)
                     g = soft_coef * s * ((ls - lt) * _LN2_K - k)
                     # There an S above 0 makes the KL infinite, as it is.
@@ -305,7 +312,7 @@ if triton is not None:
                     g += weight_hard * (p - tl.where(cols == label, 1.0, 0.0))
                 rounded = _rounded_to(g, out_ptr.dtype.element_ty, INTERPRETED)
                 tl.store(out_row + cols, rounded, mask=in_s)
-            if MODE != 2:
+            if SOFT_LOSS != _JSD_MIXTURE_K:
                 tl.store(soft_ptr + row, tl.sum(acc, 0) * _LN2_K)
 
     @triton.jit
@@ -356,40 +363,33 @@ def _mixture_series(beta: float, terms: int = 7) -> list[float]:
     return [kappa[n] / math.factorial(n) * _LN2**n for n in range(1, terms + 1)]
 
 
-def _mode(beta: float) -> int:
+def _soft_loss(beta: float) -> int:
     """The kernel's soft-loss specialisation for ``beta``."""
-    return _BETA_0 if beta == 0.0 else _BETA_1 if beta == 1.0 else _BETA_MIXED
+    if beta == 0.0:
+        return _KL_TEACHER_STUDENT
+    if beta == 1.0:
+        return _KL_STUDENT_TEACHER
+    return _JSD_MIXTURE
 
 
-def _default_config(n: int, vt: int, mode: int, shared_softmax: bool) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for n rows of vt columns in soft-loss ``mode``; ``shared_softmax``
-    when the hard loss's softmax is S itself (temperature 1, one vocabulary).
+def _default_config(n: int, vt: int, soft_loss: int, shared_softmax: bool) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for n rows of vt columns of the ``soft_loss`` specialisation
+    (:func:`_soft_loss`); ``shared_softmax`` when the hard loss's softmax is S itself
+    (temperature 1, one vocabulary).
 
-    From ``python benchmarks/tune_chunk.py triton`` on an H200 (V = 128256, bf16 teacher and
-    gradient written over it, hard loss on; do_bench medians, ms for 256 / 1024 / 2048 rows):
+    Chosen by ``python benchmarks/tune_chunk.py triton``; the timings, and the layouts tried
+    and left out, are in ``benchmarks/results/h200/design-notes.md``.
 
-    - the mixture's three passes: 2048 x 8 warps from 512 rows up (0.606 / 1.195 at
-      temperature 1, 90% of the HBM peak; 0.674 / 1.311 at 2, where 2048 x 4 is 3% faster);
-    - the two-pass KL endpoints: 1024 x 4 (beta 0: 0.450 / 0.945 at temperature 1 / 2 and
-      1024 rows / 2048 rows; beta 1: 0.436 / 0.982; against 0.503 and 0.951, 0.437 and 1.137 at
-      2048 x 8), except with the shared softmax from 2048 rows, where 2048 x 8 is 15% faster
-      (0.826 and 0.844 against 0.975 and 0.887). Registers (40-130) and spills (none) do not
-      explain the differences: the compiler schedules each specialisation differently;
-    - fewer rows leave SMs idle and prefer wider tiles (256 rows: the mixture 0.182 ms at
-      4096 x 8, the endpoints 0.132-0.185 ms at 4096 x 16).
-
-    Two other layouts were measured for 1024 rows at beta 0.5 and left out:
-    - a persistent grid, one program per SM striding over rows (fewer rows in flight, so the
-      passes re-read more from L2): 0.625 ms at 16384 x 32 warps against 0.655 ms in the same
-      run, slower with narrower tiles or more programs;
-    - each row split over 16 programs holding their part in registers, exchanging partial
-      sums through global memory (each logit read once): 0.64-0.97 ms, as the two waits per
-      row leave too little data in flight to cover the memory latency.
+    - the mixture's three passes: 2048 x 8 warps from 512 rows up;
+    - the two-pass KL endpoints: 1024 x 4, except with the shared softmax from 2048 rows,
+      where 2048 x 8 wins. Registers and spills do not explain the difference: the compiler
+      schedules each specialisation differently, so each is tuned on its own;
+    - fewer rows leave SMs idle and prefer wider tiles.
     """
     width = triton.next_power_of_2(vt)
     if n < 512:
-        return min(2 * _MAX_BLOCK_V, width), 8 if mode == _BETA_MIXED else 16
-    if mode == _BETA_MIXED or (shared_softmax and n >= 2048):
+        return min(2 * _MAX_BLOCK_V, width), 8 if soft_loss == _JSD_MIXTURE else 16
+    if soft_loss == _JSD_MIXTURE or (shared_softmax and n >= 2048):
         return min(_MAX_BLOCK_V, width), 8
     return min(_MAX_BLOCK_V // 2, width), 4
 
@@ -414,10 +414,10 @@ def _launch(
     soft_rows = torch.empty(n, dtype=torch.float32, device=student_logits.device)
     hard_rows = torch.empty_like(soft_rows) if compute_hard else soft_rows
     if n > 0:
-        mode = _mode(beta)
+        soft_loss = _soft_loss(beta)
         # d(soft)/dz factor (the kernel's logs are in natural units there).
         soft_coef = weight_soft / temperature
-        if mode == _BETA_MIXED:
+        if soft_loss == _JSD_MIXTURE:
             soft_coef *= 1.0 - beta
         _jsd_chunk_kernel[(n,)](
             student_logits,
@@ -439,7 +439,7 @@ def _launch(
             *_mixture_series(beta),
             soft_coef,
             weight_hard,
-            MODE=mode,
+            SOFT_LOSS=soft_loss,
             HARD=compute_hard,
             SHARE_LSE=options.shares_softmax(vs, vt),
             FAST_LOG2=_compiled() and torch.version.hip is None,
@@ -524,7 +524,7 @@ def jsd_chunk_(
     """
     rows, vocab_t = teacher_logits.shape
     shared = options.shares_softmax(student_logits.shape[1], vocab_t)
-    block_v, num_warps = _default_config(rows, vocab_t, _mode(options.beta), shared)
+    block_v, num_warps = _default_config(rows, vocab_t, _soft_loss(options.beta), shared)
     return _launch(
         student_logits,
         teacher_logits,

@@ -94,9 +94,9 @@ def chunked_forward(
     )
     # Where the logit gradients are written over teacher logits in the matmul dtype (the
     # Triton path), two chunks' worth wait for one weight-gradient matmul with twice the inner
-    # dimension: the float32 sum is read and written half as often (H200, S1 at N = 8192:
-    # 0.8 ms less per step). The PyTorch path's float32 teacher logits would cost twice the
-    # memory for it.
+    # dimension: the float32 sum is read and written half as often (the gain is in
+    # benchmarks/results/h200/design-notes.md). The PyTorch path's float32 teacher logits would
+    # cost twice the memory for it.
     pair_chunks = compute_soft and need_grad_weight and not chunk_kernel.float_teacher
     block_rows = 2 * chunk_size if pair_chunks else chunk_size
     teacher_block = (

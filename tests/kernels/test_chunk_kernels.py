@@ -2,7 +2,7 @@
 
 Every case runs on the portable PyTorch chunk function (in one slice, and in slices of a few
 rows with a partial last one) and on the Triton kernel. The reference
-(:func:`gradref_kernels._chunk_reference.chunk_reference`) builds the loss from its definition
+(:func:`_chunk_reference.chunk_reference`, beside this file) builds the loss from its definition
 (log-softmax, KL, cross-entropy), so it shares no algebra with the kernels' closed-form
 gradients. Shapes stay small: on machines without CUDA the Triton kernel runs in Triton's CPU
 interpreter.
@@ -14,8 +14,8 @@ import dataclasses
 
 import pytest
 import torch
+from _chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels import _chunk_torch, _chunk_triton
-from gradref_kernels._chunk_reference import IGNORE_INDEX, chunk_options, chunk_reference
 from gradref_kernels._chunk_triton import jsd_chunk_, scaled_cast, triton_unavailable_reason
 from gradref_kernels._options import LossOptions
 from torch import Tensor

@@ -1,18 +1,18 @@
 """The float64 reference of the per-chunk contract: what ``_chunk_torch.jsd_chunk_`` and
 ``_chunk_triton.jsd_chunk_`` must compute, from the full-logits reference and autograd.
 
-The chunk kernels' tests and ``benchmarks/tune_chunk.py`` both check the kernels with it. It
-builds the loss from its definition (log-softmax, KL, cross-entropy), so it shares no algebra
-with the kernels' closed-form gradients.
+Test support, so it lives beside the tests and stays out of the wheel: ``test_chunk_kernels.py``
+imports it, and ``benchmarks/tune_chunk.py`` puts this folder on ``sys.path`` to check the
+kernels at full size with it. It builds the loss from its definition (log-softmax, KL,
+cross-entropy), so it shares no algebra with the kernels' closed-form gradients.
 """
 
 from __future__ import annotations
 
 import torch
+from gradref_kernels._options import LossOptions
+from gradref_kernels.reference import jsd_distillation_reference
 from torch import Tensor
-
-from ._options import LossOptions
-from .reference import jsd_distillation_reference
 
 IGNORE_INDEX = -100
 
