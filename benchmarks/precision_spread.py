@@ -20,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pytest_gradref.diff import (
     DEFAULT_NOISE,
@@ -71,11 +72,14 @@ def raw_growth(diff: Diff, item: ItemDiff) -> float:
     return max(item.after, diff.floor) / max(item.before, diff.floor)
 
 
-def describe_worst(diff: Diff, growth: Callable[[ItemDiff], float]) -> str:
-    """The item that grew most by ``growth``, with the share of its allowance it uses."""
+def describe_worst(diff: Diff, growth: Callable[[ItemDiff], Any]) -> str:
+    """The item that grew most by ``growth`` (its first number is the growth shown), with the
+    share of its allowance it uses."""
     top = max((i for i in diff.items if not math.isnan(i.ratio)), key=growth)
+    shown = growth(top)
+    shown = shown[0] if isinstance(shown, tuple) else shown
     return (
-        f"{growth(top):.3g}x ({top.dtype}, {top.before:.3g} -> {top.after:.3g}, "
+        f"{shown:.3g}x ({top.dtype}, {top.before:.3g} -> {top.after:.3g}, "
         f"{1 - top.headroom_after:.1%} of its allowance)"
     )
 
@@ -98,7 +102,8 @@ def main() -> None:
         path = args.out / f"{name}.json" if args.reuse else run_variant(name, args.out)
         diff = compare(baseline, load_report(path))
         raw = describe_worst(diff, lambda item, diff=diff: raw_growth(diff, item))
-        judged = describe_worst(diff, lambda item: item.ratio)
+        # Ties of the judged growth (all 1x, say) go to the greatest raw growth.
+        judged = describe_worst(diff, lambda item, diff=diff: (item.ratio, raw_growth(diff, item)))
         print(f"| {name} | {raw} | {judged} | {len(diff.regressions)} of {len(diff.items)} |")
 
 

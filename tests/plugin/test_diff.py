@@ -510,3 +510,37 @@ def test_module_and_console_script(tmp_path: Path) -> None:
         check=True,
     )
     assert loaded.stdout.splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "regressed"),
+    [
+        # (error, share of its allowance used): the two items of an AMD EPYC host that moved
+        # beyond 2x from the AMX baseline, rounding noise at 3-8% of what they were allowed.
+        ((1.46e-8, 0.040), (2.95e-8, 0.081), False),
+        ((5.22e-9, 0.029), (1.16e-8, 0.064), False),
+        # A real error, a fifth of its allowance, grown fourfold: caught.
+        ((2e-7, 0.2), (8e-7, 0.8), True),
+        # From just over a twentieth of the allowance, fourfold: caught.
+        ((3e-8, 0.06), (1.2e-7, 0.24), True),
+        # Tenfold growth inside the noise share: not a regression.
+        ((1e-9, 0.005), (1e-8, 0.05), False),
+    ],
+)
+def test_growth_is_judged_in_units_of_the_allowance(
+    tmp_path: Path, before: tuple[float, float], after: tuple[float, float], regressed: bool
+) -> None:
+    def report(error: float, share: float) -> dict[str, Any]:
+        document = copy.deepcopy(BASE)
+        document["tests"] = [_test("t.py::test_a", _item("value", error, headroom=1 - share))]
+        return document
+
+    base, new = (
+        _write(tmp_path / "b.json", report(*before)),
+        _write(tmp_path / "n.json", report(*after)),
+    )
+    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+    assert bool(result.regressions) is regressed
+    # Judged raw, every one of them grew beyond the threshold.
+    raw = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new), noise=0)
+    assert len(raw.regressions) == 1
