@@ -86,7 +86,10 @@ class FusedLinearJSDFunction(torch.autograd.Function):
 
 def _scale_to(grad: Tensor, scale: Tensor, dtype: torch.dtype, implementation: str) -> Tensor:
     """``grad * scale`` as ``dtype``: a float32 sum is scaled and rounded in one pass."""
-    if grad.dtype != dtype:
+    if grad.dtype != dtype or torch.compiler.is_compiling():
+        # Compiled, every scaling stays inside the operator too: Inductor's CPU code for an
+        # in-place multiply of the operator's outputs corrupted the heap (a float32 step,
+        # torch 2.13) and, under ATEN_CPU_CAPABILITY=avx2, scaled every other 8 elements only.
         scaled: Tensor = scaled_cast_op(grad, scale.to(grad.dtype), dtype, implementation)
         return scaled
     # A multi-tensor kernel reads the 0-dim scale on the device once; ``grad * scale`` would

@@ -143,7 +143,10 @@ def scaled_cast_op(
     source: Tensor, scale: Tensor, dtype: torch.dtype, implementation: str
 ) -> Tensor:
     """``(source * scale).to(dtype)`` rounded once, by the scaled cast of the per-chunk
-    function that ``implementation`` selects for ``dtype`` inputs on source's device."""
+    function that ``implementation`` selects for ``dtype`` inputs on source's device; a plain
+    multiply where source already has ``dtype``."""
+    if source.dtype == dtype:  # a scaling alone (compiled steps route it here too)
+        return source * scale
     chunk_kernel = select_chunk_kernel(implementation, source.device, dtype)
     return chunk_kernel.scaled_cast(source.contiguous(), scale, dtype)
 

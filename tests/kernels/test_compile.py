@@ -12,6 +12,7 @@ passing unnoticed.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,3 +173,27 @@ def test_compiled_module_dynamic(
         ref = grad_reference(reference, *args, argnums=0)
         ref.assert_close(loss.detach(), (x.grad,), param_grads=model, budget=BUDGETS[dtype])
     assert 1 <= graphs() <= 2  # compiled, and recompiled at most once
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_compiled_gradients_stay_inside_the_operators(
+    make_jsd_inputs: Any, graphs: Callable[[], int], implementation: str, dtype: torch.dtype
+) -> None:
+    """Backward hands every saved gradient to the scaled-cast operator and to no code that
+    Inductor generates: an in-place multiply that Inductor wrote for them corrupted the heap
+    of a float32 step, and under ATEN_CPU_CAPABILITY=avx2 scaled only every other 8 elements.
+    Checked on the generated code, so it fails on every machine, not only where that code
+    misbehaves."""
+    from torch._inductor.utils import run_and_get_code
+
+    inputs = make_jsd_inputs(dtype, **SMALL, bias=True)
+    compiled = torch.compile(loss_of(implementation), fullgraph=True)
+    _, (forward_code, backward_code) = run_and_get_code(lambda: inputs.run(compiled))
+    assert "gradref_kernels.chunked_forward.default(" in forward_code
+    casts = re.findall(r"gradref_kernels\.scaled_cast\.default\((\w+),", backward_code)
+    assert len(casts) == 3  # grad_input, grad_weight, grad_bias
+    generated_calls = re.findall(r"^\s*(\w+(?:\.run)?)\((.*)\)\s*$", backward_code, re.M)
+    for name, arguments in generated_calls:
+        if name.startswith(("cpp_fused", "triton_")):
+            handed = set(re.findall(r"\w+", arguments)) & set(casts)
+            assert not handed, f"{name} reads or writes the saved gradients {sorted(handed)}"
