@@ -7,9 +7,10 @@ gradients for backward, and wraps it all in an ``autograd.Function`` without
 ``setup_context`` (so ``torch.func`` cannot differentiate the kernels themselves). The plain
 PyTorch references sit beside them, as a library's test utilities would.
 
-Logits are computed in the inputs' dtype (a bf16 matmul for bf16 inputs) and the loss in at
-least float32: a bf16 kernel returns a float32 loss. The references compute the same way,
-casting with ``promote_types`` rather than ``.float()``, so a float64 golden stays float64.
+The kernels compute in at least float32 from bf16 inputs (the matmuls too, as fused kernels
+do) and return a float32 loss with gradients in the inputs' dtype. The references compute the
+logits in the inputs' dtype and the rest in at least float32, casting with ``promote_types``
+rather than ``.float()``, so a float64 golden stays float64.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _logits(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, upcast_first: bool = False) -> Tensor:
+    """x @ weight.T + bias in at least float32: the matmul in the inputs' dtype, or (for
+    the kernels, ``upcast_first``) in float32 too."""
+    if upcast_first:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
     logits = x @ weight.T
     if bias is not None:
         logits = logits + bias
@@ -144,8 +151,8 @@ def fused_linear_jsd(
 
     def chunk(x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, tw: Tensor) -> Any:
         with torch.no_grad():
-            teacher = _logits(tx, tw, None) / temperature
-        terms = _jsd_terms(_logits(x, w, b) / temperature, teacher, beta)
+            teacher = _logits(tx, tw, None, True) / temperature
+        terms = _jsd_terms(_logits(x, w, b, True) / temperature, teacher, beta)
         return terms.sum() / rows, ()
 
     loss, _ = _run(
@@ -224,9 +231,14 @@ def fused_linear_cosine(
         x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, labels: Tensor, tw: Tensor
     ) -> Any:
         with torch.no_grad():
-            teacher = _logits(tx, tw, None)
+            teacher = _logits(tx, tw, None, True)
         terms = _cosine_terms(
-            _logits(x, w, b), teacher, labels, ignore_index, weight_hard_loss, weight_soft_loss
+            _logits(x, w, b, True),
+            teacher,
+            labels,
+            ignore_index,
+            weight_hard_loss,
+            weight_soft_loss,
         )
         return terms.sum() / valid, ()
 
@@ -346,9 +358,16 @@ def fused_linear_dpo(
         x: Tensor, w: Tensor, b: Tensor | None, t: Tensor, rx: Tensor, rw: Tensor, rb: Tensor | None
     ) -> Any:
         with torch.no_grad():
-            ref_logits = _logits(rx, rw, rb)
+            ref_logits = _logits(rx, rw, rb, True)
         loss, aux = _dpo_pairs(
-            _logits(x, w, b), ref_logits, t, beta, ignore_index, pairs, tokens, compute_nll_loss
+            _logits(x, w, b, True),
+            ref_logits,
+            t,
+            beta,
+            ignore_index,
+            pairs,
+            tokens,
+            compute_nll_loss,
         )
         return loss, tuple(aux[name] for name in AUX_NAMES)
 
