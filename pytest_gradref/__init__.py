@@ -20,13 +20,16 @@ if TYPE_CHECKING:
         compute_reference,
     )
     from pytest_gradref.strategies import Strategy, StrategyChoice
+    from pytest_gradref.warning_types import GoldenPrecisionWarning, GradrefWarning
 
 __all__ = [
     "DEFAULT_TOLERANCES",
     "Backend",
     "BackendRegistry",
     "Disagreement",
+    "GoldenPrecisionWarning",
     "GradReference",
+    "GradrefWarning",
     "Reference",
     "Strategy",
     "StrategyChoice",
@@ -41,7 +44,9 @@ _HOMES = {
     "Backend": "backends",
     "BackendRegistry": "backends",
     "Disagreement": "reference",
+    "GoldenPrecisionWarning": "warning_types",
     "GradReference": "reference",
+    "GradrefWarning": "warning_types",
     "Reference": "reference",
     "Strategy": "strategies",
     "StrategyChoice": "strategies",

@@ -73,11 +73,13 @@ def resolve_tolerance(
     backend_name: str,
     backend_table: Mapping[str, Tolerance],
     overrides: Sequence[ToleranceOverride] = (),
+    why_dtype: str = "",
 ) -> ResolvedTolerance:
     """The tolerance for one dtype: overrides (first wins) over the backend table over torch's.
 
     rtol and atol are resolved independently, so a marker that sets only rtol keeps the
-    table's atol.
+    table's atol. ``why_dtype`` follows the table's name in the source, e.g. why an item
+    is compared at a dtype other than its own.
     """
     name = dtype_name(dtype)
     if name in backend_table:
@@ -86,6 +88,7 @@ def resolve_tolerance(
         base, base_source = DEFAULT_TOLERANCES[name], f"torch.testing's default for {name}"
     else:
         base, base_source = Tolerance(0.0, 0.0), f"exact comparison for {name}"
+    base_source += why_dtype
     rtol, rtol_source = base.rtol, base_source
     atol, atol_source = base.atol, base_source
     for override in reversed(overrides):
@@ -125,6 +128,11 @@ def less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
     return a if epsilon(a) >= epsilon(b) else b
 
 
+def is_inexact(dtype: torch.dtype) -> bool:
+    """Floating or complex: a dtype that rounds, to which tolerances and budgets apply."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 @dataclass(frozen=True)
 class ItemCheck:
     """One compared item: its statistics, the criterion applied, and the verdict.
@@ -145,6 +153,10 @@ class ItemCheck:
     detail: str = ""
 
 
+# What a failure says of an item whose actual result is None.
+MISSING_HINT = "did backward() reach it?"
+
+
 @dataclass(frozen=True)
 class ToleranceItem:
     """An item to compare with a tolerance, as torch.testing.assert_close would."""
@@ -153,6 +165,7 @@ class ToleranceItem:
     actual: torch.Tensor | None
     expected: torch.Tensor
     resolved: ResolvedTolerance
+    missing: str = MISSING_HINT
 
 
 @dataclass(frozen=True)
@@ -164,6 +177,10 @@ class BudgetItem:
     reference: torch.Tensor
     golden: torch.Tensor
     budget: float
+    # The least precise dtype among the inputs that produced the item: it sets the floor
+    # where it is less precise than the item itself (a bf16 kernel's float32 loss).
+    compute_dtype: torch.dtype | None = None
+    missing: str = MISSING_HINT
 
 
 Item = Union[ToleranceItem, BudgetItem]
@@ -191,7 +208,7 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for position, item in enumerate(items):
         expected = item.expected if isinstance(item, ToleranceItem) else item.reference
-        problem = _shape_problem(item.label, item.actual, expected)
+        problem = _shape_problem(item.label, item.actual, expected, item.missing)
         if problem is not None:
             checks[position] = problem
             continue
@@ -398,7 +415,13 @@ def _budget_check(
     assert actual is not None
     dtype = less_precise(actual.dtype, reference.dtype)
     golden_name = dtype_name(golden.dtype)
-    floor = FLOOR_ULPS.get(dtype_name(dtype), 1) * epsilon(dtype) * scale
+    floor_dtype = dtype
+    if item.compute_dtype is not None:
+        floor_dtype = less_precise(dtype, item.compute_dtype)
+    floor = FLOOR_ULPS.get(dtype_name(floor_dtype), 1) * epsilon(floor_dtype) * scale
+    floor_text = f"floor {floor:.3g}"
+    if floor_dtype != dtype:
+        floor_text += f" ({dtype_name(floor_dtype)} steps: the compute dtype)"
     allowed = budget * ref_abs + floor
     if allowed > 0 or math.isnan(allowed):
         used = own_abs / allowed
@@ -408,7 +431,7 @@ def _budget_check(
     ratio = own_abs / ref_abs if ref_abs > 0 else float("inf")
     criterion = (
         f"budget {budget:g}x the {dtype_name(reference.dtype)} reference's error vs the "
-        f"{golden_name} golden ({ref_abs:.3g}) + floor {floor:.3g}"
+        f"{golden_name} golden ({ref_abs:.3g}) + {floor_text}"
     )
     detail = ""
     if not passed:
@@ -420,7 +443,7 @@ def _budget_check(
             f"error vs the {golden_name} golden: {own_abs:.3g} at index {worst_index} "
             f"(greatest relative {own_rel:.3g}), {ratio_text} the "
             f"{dtype_name(reference.dtype)} reference's own error {ref_abs:.3g}; "
-            f"allowed: budget {budget:g} x {ref_abs:.3g} + floor {floor:.3g} "
+            f"allowed: budget {budget:g} x {ref_abs:.3g} + {floor_text} "
             f"= {allowed:.3g}" + "".join(f" (the {side} has NaN)" for side in nan_sides)
         )
     return ItemCheck(
@@ -458,11 +481,13 @@ def _stats(
     return _Stats(float(diff.max()), float(relative.max()), index, used)
 
 
-def _shape_problem(label: str, actual: object, expected: torch.Tensor) -> ItemCheck | None:
+def _shape_problem(
+    label: str, actual: object, expected: torch.Tensor, missing: str = MISSING_HINT
+) -> ItemCheck | None:
     import torch
 
     if not isinstance(actual, torch.Tensor):
-        what = "None: did backward() reach it?" if actual is None else type(actual).__name__
+        what = f"None: {missing}" if actual is None else type(actual).__name__
         return ItemCheck(label, "-", float("nan"), float("nan"), "-", float("-inf"), False, what)
     if actual.shape != expected.shape:
         detail = f"shape {tuple(actual.shape)} differs from the reference's {tuple(expected.shape)}"

@@ -246,6 +246,8 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
     recording = request.node.stash[recording_key] = Recording()
     strategy = overrides.strategy or setup.effective_strategy()
+    if setup.effective_strategy() == "crosscheck" and strategy != "crosscheck":
+        recording.crosscheck_opt_out = f"@pytest.mark.gradref(strategy={strategy!r})"
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
     statistics = (

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
+from pytest_gradref.auxiliary import AuxKey, pair_aux
 from pytest_gradref.compare import (
+    MISSING_HINT,
     BudgetItem,
     Item,
     ItemCheck,
@@ -29,11 +32,13 @@ from pytest_gradref.compare import (
     dtype_name,
     epsilon,
     format_failures,
+    is_inexact,
     less_precise,
     resolve_tolerance,
 )
 from pytest_gradref.numbers import check_number
 from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
+from pytest_gradref.warning_types import GoldenPrecisionWarning
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +46,9 @@ if TYPE_CHECKING:
 Argnums = Union[int, Sequence[int]]
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
 ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]
+# Which of a module's parameters a reference differentiates and checks: names, or a predicate
+# of (name, parameter); None: those that require grad.
+ParamSelection = Union[str, Sequence[str], Callable[[str, "torch.nn.Parameter"], bool], None]
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,11 @@ class Recording:
     disagreements: list[Disagreement] = field(default_factory=list)
     # The strategy whose result each reference handed the test (never "crosscheck").
     strategies: list[str] = field(default_factory=list)
+    # Per test, not per example: why the test's references were not crosschecked in a
+    # crosscheck session (a marker fixed the strategy, a kernel reference), and the golden
+    # dtype requested and obtained where fn returned a less precise one.
+    crosscheck_opt_out: str | None = None
+    golden_shortfall: tuple[str, str] | None = None
     # The worst finished example while another one runs; None outside an example.
     _kept: tuple[list[ItemCheck], list[Disagreement], list[str]] | None = None
 
@@ -127,9 +140,30 @@ class CheckPolicy:
     statistics: bool = True
 
     def tolerance(
-        self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = ()
+        self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = (), why_dtype: str = ""
     ) -> ResolvedTolerance:
-        return resolve_tolerance(dtype, self.backend, self.table, (*extra, *self.overrides))
+        overrides = (*extra, *self.overrides)
+        return resolve_tolerance(dtype, self.backend, self.table, overrides, why_dtype)
+
+
+@dataclass(frozen=True)
+class ComputeDtype:
+    """The least precise floating dtype among the inputs differentiated (args[argnums] and a
+    module's parameters), and which input has it: every item is compared at a dtype at least
+    this coarse, since rounding there reaches every output (a bf16 kernel's float32 loss)."""
+
+    dtype: torch.dtype
+    source: str  # e.g. "argument 0 (x)" or "parameter 'lin.weight'"
+
+    def tolerance_dtype(self, item_dtype: torch.dtype) -> tuple[torch.dtype, str]:
+        """The dtype an item of ``item_dtype`` is compared at, and why where it is not its
+        own (a phrase that follows the tolerance table's name)."""
+        if not is_inexact(item_dtype) or epsilon(self.dtype) <= epsilon(item_dtype):
+            return item_dtype, ""
+        return self.dtype, (
+            f", the compute dtype ({self.source} is {dtype_name(self.dtype)}; "
+            f"the item is {dtype_name(item_dtype)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -141,6 +175,10 @@ class Golden:
     value: torch.Tensor
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: Mapping[str, torch.Tensor]
+    aux: Any = None
+    # The least precise floating dtype fn returned (value and aux): less precise than
+    # ``dtype`` where fn casts inside, e.g. with .float().
+    obtained: torch.dtype | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,6 +196,8 @@ class Reference:
         crosscheck: under the crosscheck strategy, the disagreement per item between
             autograd and grad_and_value; else None.
         golden: the same computed in a higher precision, when ``golden=`` was asked for.
+        compute: the least precise floating dtype among the inputs differentiated, which
+            every item's tolerance follows (None where no input is floating).
     """
 
     value: torch.Tensor
@@ -170,6 +210,7 @@ class Reference:
     golden: Golden | None
     grad_labels: tuple[str, ...]
     policy: CheckPolicy
+    compute: ComputeDtype | None = None
 
     def assert_close(
         self,
@@ -177,18 +218,25 @@ class Reference:
         actual_grads: ActualGrads = None,
         *,
         param_grads: ActualParamGrads = None,
+        aux: Any = None,
+        aux_tolerances: Mapping[AuxKey, Tolerance] | None = None,
         rtol: float | None = None,
         atol: float | None = None,
         budget: float | None = None,
     ) -> None:
-        """Assert that a kernel's value and gradients match this reference.
+        """Assert that a kernel's value, gradients and aux match this reference.
 
-        By default each item is compared with the tolerance of its backend and dtype (the
-        less precise of the actual's and the reference's), unless a ``gradref`` marker or
-        ``rtol``/``atol`` here override it. With ``budget=k`` (or a marker's budget) and a
-        golden reference, each item instead passes when its error against the golden is at
-        most k times the same-dtype reference's own error, plus a floor (see compare.py).
-        Every item is checked before failing, and the message names each one that differs.
+        By default each item is compared with the tolerance of its backend and dtype: the
+        least precise of the actual's, the reference's and the compute dtype (that of the
+        least precise input differentiated), unless a ``gradref`` marker or ``rtol``/``atol``
+        here override it. With ``budget=k`` (or a marker's budget) and a golden reference,
+        each item instead passes when its error against the golden is at most k times the
+        same-dtype reference's own error, plus a floor (see compare.py). ``aux`` (the
+        kernel's auxiliary output) is compared leaf by leaf with the same rules; an entry of
+        ``aux_tolerances``, keyed by a top-level key or index of the aux or by an item's
+        label (``"aux['logps'][0]"``), gives those items a tolerance of their own, which
+        wins over the marker, the arguments here and a budget. Every item is checked before
+        failing, and the message names each one that differs.
 
         Raises:
             AssertionError: an item differs beyond its tolerance or budget.
@@ -212,37 +260,130 @@ class Reference:
         extra: tuple[ToleranceOverride, ...] = ()
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
-        items: list[Item] = []
-        for label, actual, expected, golden in self._pair_items(
-            actual_value, actual_grads, param_grads
-        ):
-            if budget is not None:
-                items.append(BudgetItem(label, actual, expected, golden, budget))
-                continue
-            dtype = expected.dtype if actual is None else less_precise(actual.dtype, expected.dtype)
-            resolved = self.policy.tolerance(dtype, extra)
-            items.append(ToleranceItem(label, actual, expected, resolved))
+        items: list[Item] = [
+            self._item(label, actual, expected, golden, budget, extra, missing)
+            for label, actual, expected, golden, missing in self._pair_items(
+                actual_value, actual_grads, param_grads
+            )
+        ]
+        # Aux leaves that cannot be compared as tensors (structure, non-numeric values).
+        unpaired: list[ItemCheck] = []
+        if aux is not None:
+            self._aux_items(aux, aux_tolerances or {}, budget, extra, items, unpaired)
+        elif aux_tolerances:
+            raise ValueError("assert_close(): aux_tolerances= needs the actual aux, as aux=")
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
+        checks += unpaired
         if self.policy.recording is not None:
             self.policy.recording.add_checks(checks)
         if not all(check.passed for check in checks):
             header = f"Reference mismatch ({self.backend} backend, {self.strategy} reference)"
             raise AssertionError(format_failures(header, checks))
 
+    def _item(
+        self,
+        label: str,
+        actual: Any,
+        expected: torch.Tensor,
+        golden: torch.Tensor | None,
+        budget: float | None,
+        extra: tuple[ToleranceOverride, ...],
+        missing: str = MISSING_HINT,
+    ) -> Item:
+        """The item to check: against the golden with a budget, else with the tolerance of
+        the dtype it is compared at (see ComputeDtype)."""
+        import torch
+
+        compute = self.compute.dtype if self.compute is not None else None
+        if budget is not None and golden is not None:
+            return BudgetItem(label, actual, expected, golden, budget, compute, missing)
+        dtype = expected.dtype
+        if isinstance(actual, torch.Tensor):
+            dtype = less_precise(actual.dtype, dtype)
+        why = ""
+        if self.compute is not None:
+            dtype, why = self.compute.tolerance_dtype(dtype)
+        resolved = self.policy.tolerance(dtype, extra, why)
+        return ToleranceItem(label, actual, expected, resolved, missing)
+
+    def _aux_items(
+        self,
+        aux: Any,
+        tolerances: Mapping[AuxKey, Tolerance],
+        budget: float | None,
+        extra: tuple[ToleranceOverride, ...],
+        items: list[Item],
+        unpaired: list[ItemCheck],
+    ) -> None:
+        """The items of the aux, into ``items``; failed checks for leaves that cannot be
+        compared as tensors into ``unpaired``."""
+        __tracebackhide__ = True
+
+        if self.aux is None:
+            raise TypeError(
+                "assert_close(aux=...): this reference has no aux; compute it with "
+                "grad_reference(..., has_aux=True)"
+            )
+        leaves = pair_aux(aux, self.aux, self.golden.aux if self.golden else None)
+        known = {leaf.key for leaf in leaves} | {leaf.label for leaf in leaves}
+        for name, tolerance in tolerances.items():
+            if name not in known:
+                raise ValueError(
+                    f"assert_close(): aux_tolerances names {name!r}, which is not in the aux; "
+                    "use a top-level key or index, or an item's label: "
+                    + ", ".join(leaf.label for leaf in leaves)
+                )
+            if not isinstance(tolerance, Tolerance):
+                raise TypeError(
+                    f"assert_close(): aux_tolerances[{name!r}] must be a "
+                    f"pytest_gradref.Tolerance(rtol=..., atol=...), got {tolerance!r}"
+                )
+        for leaf in leaves:
+            if leaf.problem is not None:
+                unpaired.append(_failed(leaf.label, leaf.problem))
+                continue
+            expected = _as_tensor(leaf.expected, None)
+            if expected is None:  # not numeric: equal or not
+                if leaf.actual != leaf.expected:
+                    unpaired.append(
+                        _failed(
+                            leaf.label,
+                            f"{leaf.actual!r} differs from the reference's {leaf.expected!r}",
+                        )
+                    )
+                continue
+            actual = _as_tensor(leaf.actual, expected.device)
+            golden = _as_tensor(leaf.golden, None) if is_inexact(expected.dtype) else None
+            key: AuxKey | None = leaf.label if leaf.label in tolerances else leaf.key
+            own = tolerances.get(key) if key is not None else None
+            item_extra, item_budget = extra, budget
+            if own is not None:
+                source = f"assert_close(aux_tolerances={{{key!r}: ...}})"
+                item_extra = (ToleranceOverride(own.rtol, own.atol, source), *extra)
+                item_budget = None
+            missing = "the actual aux holds None here"
+            item_actual = leaf.actual if actual is None else actual
+            items.append(
+                self._item(
+                    leaf.label, item_actual, expected, golden, item_budget, item_extra, missing
+                )
+            )
+
     def _pair_items(
         self,
         actual_value: torch.Tensor,
         actual_grads: ActualGrads,
         param_grads: ActualParamGrads,
-    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any]]:
-        """(label, actual, reference, golden or None) for every item, validated."""
+    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any, str]]:
+        """(label, actual, reference, golden or None, what a None actual means) for every
+        item, validated."""
         __tracebackhide__ = True
         import torch
 
         golden = self.golden
         expected_grads = self.grads if isinstance(self.grads, tuple) else (self.grads,)
-        items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any]] = [
-            ("value", actual_value, self.value, golden and golden.value)
+        items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any, str]] = [
+            ("value", actual_value, self.value, golden and golden.value, MISSING_HINT)
         ]
         if expected_grads:
             if actual_grads is None:
@@ -261,7 +402,10 @@ class Reference:
                     "aligned with argnums"
                 )
             golden_grads = golden.arg_grads if golden else (None,) * len(expected_grads)
-            items += zip(self.grad_labels, actual_tuple, expected_grads, golden_grads)
+            for label, actual, expected, golden_grad in zip(
+                self.grad_labels, actual_tuple, expected_grads, golden_grads
+            ):
+                items.append((label, actual, expected, golden_grad, MISSING_HINT))
         if self.param_grads:
             if param_grads is None:
                 raise TypeError(
@@ -277,8 +421,36 @@ class Reference:
             for name, expected in self.param_grads.items():
                 golden_grad = golden.param_grads[name] if golden else None
                 label = f"gradient of parameter {name!r}"
-                items.append((label, param_grads[name], expected, golden_grad))
+                items.append((label, param_grads[name], expected, golden_grad, _no_grad(name)))
         return items
+
+
+def _no_grad(name: str) -> str:
+    """What a parameter's None gradient means, and the option that leaves it out."""
+    prefix = name.rsplit(".", 1)[0] + "." if "." in name else name
+    return (
+        f"backward() did not reach parameter {name!r}. If the kernel leaves it untrained "
+        "(a frozen reference model, say), check only the others: "
+        f"grad_reference(..., params=lambda name, p: not name.startswith({prefix!r})) "
+        "or params=[...names...]"
+    )
+
+
+def _failed(label: str, detail: str) -> ItemCheck:
+    return ItemCheck(label, "-", math.nan, math.nan, "-", -math.inf, False, detail)
+
+
+def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor | None:
+    """An aux leaf as a tensor: itself, or a Python number as a 0-dim tensor (a float as
+    float64, its precision) on ``device``; None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (bool, int, float, complex)):
+        dtype = torch.float64 if isinstance(value, float) and not isinstance(value, bool) else None
+        return torch.tensor(value, dtype=dtype, device=device)
+    return None
 
 
 # --- computing -------------------------------------------------------------------------------
@@ -416,10 +588,17 @@ class _Problem:
 
         name = _describe(self.fn)
         if self.has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
+            if not isinstance(out, tuple):
                 raise TypeError(
                     f"has_aux=True needs {name} to return a (loss, aux) pair, "
-                    f"it returned {type(out).__name__}"
+                    f"it returned a {type(out).__name__}"
+                )
+            if len(out) != 2:
+                rest = ", ".join(f"out[{i}]" for i in range(1, len(out)))
+                raise TypeError(
+                    f"has_aux=True needs {name} to return a (loss, aux) pair: it returned "
+                    f"{len(out)} elements and needs 2; return (loss, ({rest},)) to pass the "
+                    "rest as one aux"
                 )
             loss, aux = out
         else:
@@ -534,15 +713,18 @@ def _disagreement(
     a: torch.Tensor,
     b: torch.Tensor,
     policy: CheckPolicy,
+    compute: ComputeDtype | None,
     received: Strategy,
     checked_against: Strategy,
 ) -> Disagreement:
     """How far ``a`` (received) and ``b`` (checked against) differ, as assert_close measures
-    a difference (equal infinities differ by 0)."""
+    a difference (equal infinities differ by 0), judged by the tolerance assert_close gives
+    the item."""
     import torch
 
     diff, magnitude = difference(a, b)
-    resolved = policy.tolerance(a.dtype)
+    dtype, why = compute.tolerance_dtype(a.dtype) if compute is not None else (a.dtype, "")
+    resolved = policy.tolerance(dtype, why_dtype=why)
     tol = resolved.tolerance
     if diff.numel() == 0:
         return Disagreement(
@@ -614,6 +796,80 @@ def _check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
             )
 
 
+def _select_params(
+    module: torch.nn.Module, params: ParamSelection
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The module's parameters split into those differentiated and checked, and the others."""
+    __tracebackhide__ = True
+    named = dict(module.named_parameters())
+    if params is None:
+        chosen = {name for name, p in named.items() if p.requires_grad}
+    elif callable(params):
+        chosen = {name for name, p in named.items() if params(name, p)}
+    else:
+        names = [params] if isinstance(params, str) else list(params)
+        unknown = [name for name in names if name not in named]
+        if unknown or not all(isinstance(name, str) for name in names):
+            raise ValueError(
+                f"params= names {', '.join(map(repr, unknown or names))}, not parameters of "
+                f"{_describe(module)}; its parameters are {', '.join(named) or 'none'}"
+            )
+        chosen = set(names)
+    selected: dict[str, torch.Tensor] = {n: p for n, p in named.items() if n in chosen}
+    others = {name: p.detach() for name, p in named.items() if name not in chosen}
+    return selected, others
+
+
+def _compute_dtype(
+    labels: Sequence[str], diff_args: Sequence[torch.Tensor], module: torch.nn.Module | None
+) -> ComputeDtype | None:
+    """The least precise floating dtype among the inputs differentiated and the module's
+    parameters (checked or not: a frozen bf16 reference model rounds the loss too)."""
+    candidates = [(label.removeprefix("gradient of "), t) for label, t in zip(labels, diff_args)]
+    if module is not None:
+        candidates += [(f"parameter {n!r}", p) for n, p in module.named_parameters()]
+    least: ComputeDtype | None = None
+    for source, tensor in candidates:
+        dtype = tensor.dtype
+        if is_inexact(dtype) and (least is None or epsilon(dtype) > epsilon(least.dtype)):
+            least = ComputeDtype(dtype, source)
+    return least
+
+
+def _obtained_dtype(value: torch.Tensor, aux: Any) -> torch.dtype:
+    """The least precise floating dtype among a result's value and aux tensors."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    least = value.dtype
+    for leaf in tree_leaves(aux):
+        if isinstance(leaf, torch.Tensor) and is_inexact(leaf.dtype):
+            least = less_precise(least, leaf.dtype)
+    return least
+
+
+def _check_golden_obtained(
+    fn: Callable[..., Any], requested: torch.dtype, obtained: torch.dtype, policy: CheckPolicy
+) -> None:
+    """Warn, once per test, where fn returned a golden less precise than requested."""
+    if epsilon(obtained) <= epsilon(requested):
+        return
+    recording = policy.recording
+    if recording is not None:
+        if recording.golden_shortfall is not None:
+            return
+        recording.golden_shortfall = (dtype_name(requested), dtype_name(obtained))
+    warnings.warn(
+        GoldenPrecisionWarning(
+            f"golden={requested} was requested, but {_describe(fn)} returned {obtained}: it "
+            f"casts inside (e.g. .float()), so the golden is only {dtype_name(obtained)}-"
+            "precise and budgets are measured against that. Compute in at least the inputs' "
+            "dtype, e.g. x.to(torch.promote_types(x.dtype, torch.float32)) for .float()"
+        ),
+        stacklevel=4,  # the test's line: here, compute_reference, GradReference, the test
+    )
+
+
 def compute_reference(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -626,13 +882,17 @@ def compute_reference(
     policy: CheckPolicy,
     golden: torch.dtype | None = None,
     golden_device: torch.device | None = None,
+    params: ParamSelection = None,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; see the module docstring for guarantees.
 
     Under ``crosscheck`` both strategies run, ``default_strategy``'s result is returned and
     the disagreement per item is recorded on ``Reference.crosscheck``. With ``golden`` the
     primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
-    given, else where the inputs are).
+    given, else where the inputs are); a golden that fn returns less precise than that is
+    warned of (GoldenPrecisionWarning). ``params`` chooses a module's parameters
+    differentiated and checked (names, or a predicate of name and parameter); by default
+    those that require grad.
     """
     __tracebackhide__ = True
     import torch
@@ -646,19 +906,22 @@ def compute_reference(
     positions = normalize_argnums(fn, args, argnums, is_module=is_module)
     if golden is not None:
         _check_golden_dtype(golden, args)
-    params: dict[str, torch.Tensor] = {}
+    selected: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     if isinstance(fn, torch.nn.Module):
-        for name, param in fn.named_parameters():
-            if param.requires_grad:
-                params[name] = param
-            else:
-                frozen[name] = param.detach()
+        selected, frozen = _select_params(fn, params)
         buffers = {name: buffer.detach() for name, buffer in fn.named_buffers()}
-    problem = _Problem(fn, args, dict(kwargs), positions, has_aux, params, frozen, buffers)
+    elif params is not None:
+        raise TypeError(
+            f"params= chooses an nn.Module's parameters, and {_describe(fn)} is not a module"
+        )
+    problem = _Problem(fn, args, dict(kwargs), positions, has_aux, selected, frozen, buffers)
     signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
     labels = _argument_labels(signature_source, len(args), positions)
+    compute = _compute_dtype(
+        labels, [args[i] for i in positions], fn if isinstance(fn, torch.nn.Module) else None
+    )
 
     primary: Strategy = default_strategy if strategy == "crosscheck" else strategy
     result = _STRATEGY_FUNCTIONS[primary](problem)
@@ -672,7 +935,9 @@ def compute_reference(
             (f"gradient of parameter {name!r}", grad, other.param_grads[name])
             for name, grad in result.param_grads.items()
         ]
-        crosscheck = tuple(_disagreement(*pair, policy, primary, other_strategy) for pair in pairs)
+        crosscheck = tuple(
+            _disagreement(*pair, policy, compute, primary, other_strategy) for pair in pairs
+        )
     if policy.recording is not None:
         policy.recording.add_reference(primary, crosscheck or ())
 
@@ -680,12 +945,16 @@ def compute_reference(
     if golden is not None:
         upcast = _golden_problem(problem, golden, golden_device)
         computed = _STRATEGY_FUNCTIONS[primary](upcast)
+        obtained = _obtained_dtype(computed.value, computed.aux)
+        _check_golden_obtained(fn, golden, obtained, policy)
         golden_result = Golden(
             dtype=golden,
             device=computed.value.device,
             value=computed.value,
             arg_grads=computed.arg_grads,
             param_grads=computed.param_grads,
+            aux=computed.aux,
+            obtained=obtained,
         )
 
     grads: torch.Tensor | tuple[torch.Tensor, ...] = result.arg_grads
@@ -702,6 +971,7 @@ def compute_reference(
         golden=golden_result,
         grad_labels=tuple(labels),
         policy=policy,
+        compute=compute,
     )
 
 
@@ -740,22 +1010,18 @@ class GradReference:
         argnums: Argnums = 0,
         has_aux: bool = False,
         golden: torch.dtype | None = None,
+        params: ParamSelection = None,
         **kwargs: Any,
     ) -> Reference:
         """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
 
-        fn may be an nn.Module: then gradients w.r.t. its parameters that require grad come
-        too, in ``Reference.param_grads``, and ``argnums=()`` asks for those alone. With
-        ``golden=torch.float64`` the reference is also computed in that dtype, for
-        ``Reference.assert_close(..., budget=k)``.
+        fn may be an nn.Module: then gradients w.r.t. its parameters come too, in
+        ``Reference.param_grads``: those that require grad, or those ``params`` names (a
+        name, a list of names, or a predicate ``(name, parameter) -> bool``); ``argnums=()``
+        asks for those alone. With ``golden=torch.float64`` the reference is also computed
+        in that dtype, for ``Reference.assert_close(..., budget=k)``.
         """
         __tracebackhide__ = True
-        import torch
-
-        golden = golden if golden is not None else self.golden
-        golden_device = None
-        if golden is not None and dtype_name(golden) in self.golden_on_cpu:
-            golden_device = torch.device("cpu")
         return compute_reference(
             fn,
             args,
@@ -765,6 +1031,53 @@ class GradReference:
             strategy=self.strategy,
             default_strategy=self.default_strategy,
             policy=self.policy,
-            golden=golden,
-            golden_device=golden_device,
+            params=params,
+            **self._golden(golden),
         )
+
+    def kernel(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        argnums: Argnums = 0,
+        has_aux: bool = False,
+        golden: torch.dtype | None = None,
+        params: ParamSelection = None,
+        **kwargs: Any,
+    ) -> Reference:
+        """Like calling the fixture, for a reference that is itself a kernel: another
+        implementation with its own backward (an ``autograd.Function``), to compare two
+        kernels where neither is a plain reference.
+
+        It is computed by autograd on every backend, whatever the strategy in force: the
+        kernel's backward computes its gradients either way, and ``grad_and_value`` cannot
+        run a Function without ``setup_context``. Under ``--gradref-strategy=crosscheck``
+        there is nothing to crosscheck; the test is counted in the summary as opted out.
+        """
+        __tracebackhide__ = True
+        if self.strategy == "crosscheck" and self.policy.recording is not None:
+            self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
+        return compute_reference(
+            fn,
+            args,
+            kwargs,
+            argnums=argnums,
+            has_aux=has_aux,
+            strategy="autograd",
+            default_strategy=self.default_strategy,
+            policy=self.policy,
+            params=params,
+            **self._golden(golden),
+        )
+
+    def _golden(self, golden: torch.dtype | None) -> dict[str, Any]:
+        """The golden arguments of compute_reference: the call's dtype or the marker's, on
+        the CPU where the backend cannot compute it."""
+        import torch
+
+        golden = golden if golden is not None else self.golden
+        golden_device = None
+        if golden is not None and dtype_name(golden) in self.golden_on_cpu:
+            golden_device = torch.device("cpu")
+        return {"golden": golden, "golden_device": golden_device}

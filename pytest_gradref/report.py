@@ -55,6 +55,15 @@ def record_for_test(
         "seed": seed_for_test(base_seed, nodeid),
         "items": [_plain(check, drop=("detail",)) for check in recording.checks],
         "crosscheck": [_plain(d) for d in recording.disagreements],
+        # Why a crosscheck session did not crosscheck this test (None where it did, or
+        # outside crosscheck).
+        "crosscheck_opt_out": recording.crosscheck_opt_out,
+        # The golden dtype requested and the one fn returned, where fn cast it down.
+        "golden_obtained": (
+            None
+            if recording.golden_shortfall is None
+            else dict(zip(("requested", "obtained"), recording.golden_shortfall))
+        ),
     }
 
 
@@ -138,6 +147,18 @@ class ReportCollector:
             lines.append(
                 f"crosscheck: {count} items received {received} results, checked against "
                 f"{against}; {beyond} {'differs' if beyond == 1 else 'differ'} beyond tolerance"
+            )
+        reasons: dict[str, int] = {}
+        for record in self.records:
+            reason = record.get("crosscheck_opt_out")
+            if reason:
+                reasons[reason] = reasons.get(reason, 0) + 1
+        if reasons:
+            total = sum(reasons.values())
+            lines.append(
+                f"crosscheck: {total} {'test' if total == 1 else 'tests'} opted out, not "
+                "crosschecked: "
+                + "; ".join(f"{count} by {reason}" for reason, count in sorted(reasons.items()))
             )
         exceeding = [(nodeid, d) for nodeid, d in checked if d["exceeds_tolerance"]]
         if exceeding:

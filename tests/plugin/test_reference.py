@@ -113,9 +113,15 @@ def test_no_aux_means_none(grad_reference, strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_has_aux_needs_a_pair(grad_reference, strategy):
-    pair = r"has_aux=True needs .* to return a \\(loss, aux\\) pair, it returned Tensor"
+    pair = r"has_aux=True needs .* to return a \\(loss, aux\\) pair, it returned a Tensor"
     with pytest.raises(TypeError, match=pair):
         grad_reference(lambda t: t.sum(), torch.randn(3), has_aux=True)
+    three = (
+        r"it returned 3 elements and needs 2; return \\(loss, \\(out\\[1\\], out\\[2\\],\\)\\) "
+        "to pass the rest as one aux"
+    )
+    with pytest.raises(TypeError, match=three):
+        grad_reference(lambda t: (t.sum(), t.max(), t.min()), torch.randn(3), has_aux=True)
     hint = "it returned tuple; pass has_aux=True if the rest of the tuple is auxiliary output"
     with pytest.raises(TypeError, match=hint):
         grad_reference(lambda t: (t.sum(), t), torch.randn(3))

@@ -1,0 +1,97 @@
+"""Auxiliary outputs (``has_aux=True``): nested structures paired leaf by leaf.
+
+An aux is any nesting of mappings, lists and tuples whose leaves are tensors, numbers or other
+values. The actual aux and the reference's are walked together; each leaf gets a label in
+Python's own indexing syntax (``aux['chosen_rewards']``, ``aux[2]``, ``aux['logps'][0]``), so a
+failure names the item as a test would reach it. Where the two structures differ (a missing
+key, a shorter tuple) the pair is a ``problem`` leaf, reported as a failed item beside the
+others rather than stopping the comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+# The key of an aux tolerance: the top-level key or index of the aux, which covers every
+# item beneath it, or an item's full label such as "aux['logps'][0]".
+AuxKey = Union[str, int]
+
+
+@dataclass(frozen=True)
+class AuxLeaf:
+    """One aux item: the actual and reference values at one place, and the golden's when
+    there is a golden reference (None where it has none)."""
+
+    label: str
+    # The top-level key or index it lies under (None for a bare, unnested aux).
+    key: AuxKey | None
+    actual: Any
+    expected: Any
+    golden: Any
+    problem: str | None = None
+
+
+def pair_aux(actual: Any, expected: Any, golden: Any) -> list[AuxLeaf]:
+    """Every leaf of the reference's aux with the actual's and the golden's at its place."""
+    leaves: list[AuxLeaf] = []
+    _walk("aux", None, actual, expected, golden, leaves)
+    return leaves
+
+
+def _child(container: Any, key: Any) -> Any:
+    try:
+        return container[key]
+    except (KeyError, IndexError, TypeError):
+        return None
+
+
+def _walk(
+    label: str, top: AuxKey | None, actual: Any, expected: Any, golden: Any, out: list[AuxLeaf]
+) -> None:
+    def problem(text: str) -> None:
+        out.append(AuxLeaf(label, top, actual, expected, golden, problem=text))
+
+    if isinstance(expected, Mapping):
+        if not isinstance(actual, Mapping):
+            problem(f"the reference's is a mapping, the actual is a {type(actual).__name__}")
+            return
+        missing = [k for k in expected if k not in actual]
+        extra = [k for k in actual if k not in expected]
+        if missing or extra:
+            problem(
+                "keys differ: "
+                + "; ".join(
+                    f"{what} {', '.join(map(repr, keys))}"
+                    for what, keys in (("the actual lacks", missing), ("it adds", extra))
+                    if keys
+                )
+            )
+        for key in expected:
+            if key in actual:
+                child_top = key if top is None else top
+                _walk(
+                    f"{label}[{key!r}]",
+                    child_top,
+                    actual[key],
+                    expected[key],
+                    _child(golden, key),
+                    out,
+                )
+        return
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)):
+            problem(
+                f"the reference's is a {type(expected).__name__} of {len(expected)}, "
+                f"the actual is a {type(actual).__name__}"
+            )
+            return
+        if len(actual) != len(expected):
+            problem(f"the actual has {len(actual)} elements, the reference's {len(expected)}")
+            return
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            child_top = index if top is None else top
+            _walk(f"{label}[{index}]", child_top, a, e, _child(golden, index), out)
+        return
+    out.append(AuxLeaf(label, top, actual, expected, golden))

@@ -1,0 +1,437 @@
+"""prefkit: a small chunked-loss library, the plugin's second consumer (the project's own code).
+
+It stands for a third-party library of fused-linear losses (distillation and preference
+losses), written the way such libraries are: each loss runs over chunks of rows, takes the
+gradient of each chunk's loss with ``torch.func.grad_and_value`` inside its forward, keeps the
+gradients for backward, and wraps it all in an ``autograd.Function`` without
+``setup_context`` (so ``torch.func`` cannot differentiate the kernels themselves). The plain
+PyTorch references sit beside them, as a library's test utilities would.
+
+The kernels compute in at least float32 from bf16 inputs (the matmuls too, as fused kernels
+do) and return a float32 loss with gradients in the inputs' dtype. The references compute the
+logits in the inputs' dtype and the rest in at least float32, casting with ``promote_types``
+rather than ``.float()``, so a float64 golden stays float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, upcast_first: bool = False) -> Tensor:
+    """x @ weight.T + bias in at least float32: the matmul in the inputs' dtype, or (for
+    the kernels, ``upcast_first``) in float32 too."""
+    if upcast_first:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    logits = x @ weight.T
+    if bias is not None:
+        logits = logits + bias
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+# --- the chunk loop --------------------------------------------------------------------------
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """forward(chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen):
+    ``chunk_loss(x_c, weight, bias, *chunked_c, *frozen) -> (loss_c, aux_c)`` per chunk of
+    ``x`` and of each tensor in ``chunked`` along ``chunk_dim``; the chunk losses are summed,
+    aux tensors with a leading dimension concatenated and scalars summed."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        chunk_loss: Callable[..., tuple[Tensor, tuple[Tensor, ...]]],
+        chunk_dim: int,
+        chunk_size: int,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        chunked: tuple[Tensor, ...],
+        frozen: tuple[Any, ...],
+    ) -> tuple[Tensor, tuple[Tensor, ...]]:
+        argnums = (0, 1) if bias is None else (0, 1, 2)
+        step = torch.func.grad_and_value(chunk_loss, argnums=argnums, has_aux=True)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        grad_x, losses, auxes = [], [], []
+        for start in range(0, x.shape[chunk_dim], chunk_size):
+            pieces = [
+                t.narrow(chunk_dim, start, min(chunk_size, t.shape[chunk_dim] - start))
+                for t in (x, *chunked)
+            ]
+            grads, (loss, aux) = step(pieces[0], weight, bias, *pieces[1:], *frozen)
+            grad_x.append(grads[0])
+            grad_weight += grads[1]
+            if grad_bias is not None:
+                grad_bias += grads[2]
+            losses.append(loss)
+            auxes.append(aux)
+        ctx.save_for_backward(
+            torch.cat(grad_x, dim=chunk_dim),
+            grad_weight.to(weight.dtype),
+            None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
+        )
+        aux = tuple(
+            torch.cat(parts) if parts[0].dim() else torch.stack(parts).sum()
+            for parts in zip(*auxes)
+        )
+        return torch.stack(losses).sum(), aux
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Any, ...]:
+        grad_x, grad_weight, grad_bias = ctx.saved_tensors
+        scaled = [
+            None if g is None else g * grad_loss.to(g.dtype)
+            for g in (grad_x, grad_weight, grad_bias)
+        ]
+        return (None, None, None, *scaled, None, None)
+
+
+def _run(
+    chunk_loss: Callable[..., Any],
+    chunk_dim: int,
+    chunk_size: int,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    chunked: tuple[Tensor, ...],
+    frozen: tuple[Any, ...],
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    result: tuple[Tensor, tuple[Tensor, ...]] = _ChunkedLoss.apply(
+        chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen
+    )
+    return result
+
+
+# --- distillation: JSD and cosine ------------------------------------------------------------
+
+
+def _jsd_terms(student: Tensor, teacher: Tensor, beta: float) -> Tensor:
+    """Generalized JSD per row, summed over the vocabulary, 0 < beta < 1."""
+    log_s, log_t = student.log_softmax(-1), teacher.log_softmax(-1)
+    log_m = torch.logsumexp(torch.stack([log_t + math.log(beta), log_s + math.log(1 - beta)]), 0)
+    kl_t = (log_t.exp() * (log_t - log_m)).sum(-1)
+    kl_s = (log_s.exp() * (log_s - log_m)).sum(-1)
+    return beta * kl_t + (1 - beta) * kl_s
+
+
+def jsd_reference(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Plain PyTorch: the mean generalized JSD of the temperature-scaled logits."""
+    student = _logits(student_input, student_weight, None) / temperature
+    teacher = _logits(teacher_input, teacher_weight, None) / temperature
+    return _jsd_terms(student, teacher, beta).mean()
+
+
+def fused_linear_jsd(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    chunk_size: int = 16,
+) -> Tensor:
+    rows = student_input.shape[0]
+
+    def chunk(x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, tw: Tensor) -> Any:
+        with torch.no_grad():
+            teacher = _logits(tx, tw, None, True) / temperature
+        terms = _jsd_terms(_logits(x, w, b, True) / temperature, teacher, beta)
+        return terms.sum() / rows, ()
+
+    loss, _ = _run(
+        chunk,
+        0,
+        chunk_size,
+        student_input,
+        student_weight,
+        None,
+        (teacher_input,),
+        (teacher_weight,),
+    )
+    return loss
+
+
+def _cosine_terms(
+    student: Tensor,
+    teacher: Tensor,
+    labels: Tensor,
+    ignore_index: int,
+    weight_hard: float,
+    weight_soft: float,
+) -> Tensor:
+    """Per row: weighted cross-entropy plus weighted (1 - cosine similarity), 0 where the
+    label is ignored."""
+    hard = F.cross_entropy(student, labels, ignore_index=ignore_index, reduction="none")
+    soft = 1 - F.cosine_similarity(student, teacher, dim=-1)
+    return torch.where(labels == ignore_index, 0.0, weight_hard * hard + weight_soft * soft)
+
+
+def draw(
+    generator: torch.Generator,
+    *shape: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+) -> Tensor:
+    """Normal numbers drawn on the CPU, so every device sees the same ones."""
+    return (torch.randn(shape, generator=generator) * scale).to(device=device, dtype=dtype)
+
+
+def cosine_reference(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    true_labels: Tensor,
+    student_bias: Tensor | None = None,
+    ignore_index: int = -100,
+    weight_hard_loss: float = 0.5,
+    weight_soft_loss: float = 0.5,
+) -> Tensor:
+    student = _logits(student_input, student_weight, student_bias)
+    teacher = _logits(teacher_input, teacher_weight, None)
+    terms = _cosine_terms(
+        student, teacher, true_labels, ignore_index, weight_hard_loss, weight_soft_loss
+    )
+    return terms.sum() / (true_labels != ignore_index).sum().clamp(min=1)
+
+
+def fused_linear_cosine(
+    student_input: Tensor,
+    student_weight: Tensor,
+    teacher_input: Tensor,
+    teacher_weight: Tensor,
+    true_labels: Tensor,
+    student_bias: Tensor | None = None,
+    ignore_index: int = -100,
+    weight_hard_loss: float = 0.5,
+    weight_soft_loss: float = 0.5,
+    chunk_size: int = 16,
+) -> Tensor:
+    valid = (true_labels != ignore_index).sum().clamp(min=1)
+
+    def chunk(
+        x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, labels: Tensor, tw: Tensor
+    ) -> Any:
+        with torch.no_grad():
+            teacher = _logits(tx, tw, None, True)
+        terms = _cosine_terms(
+            _logits(x, w, b, True),
+            teacher,
+            labels,
+            ignore_index,
+            weight_hard_loss,
+            weight_soft_loss,
+        )
+        return terms.sum() / valid, ()
+
+    loss, _ = _run(
+        chunk,
+        0,
+        chunk_size,
+        student_input,
+        student_weight,
+        student_bias,
+        (teacher_input, true_labels),
+        (teacher_weight,),
+    )
+    return loss
+
+
+# --- preference: DPO -------------------------------------------------------------------------
+
+AUX_NAMES = (
+    "chosen_logps",
+    "rejected_logps",
+    "chosen_logits_mean",
+    "rejected_logits_mean",
+    "nll_loss",
+    "chosen_rewards",
+    "rejected_rewards",
+)
+
+
+def _sequence_logps(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """Per sequence, the summed log-probability of the target tokens, ignored ones left out."""
+    mask = target != ignore_index
+    picked = logits.log_softmax(-1).gather(-1, torch.where(mask, target, 0).unsqueeze(-1))
+    return (picked.squeeze(-1) * mask).sum(-1)
+
+
+def _dpo_pairs(
+    logits: Tensor,
+    ref_logits: Tensor,
+    target: Tensor,
+    beta: float,
+    ignore_index: int,
+    pairs: int,
+    tokens: int,
+    compute_nll_loss: bool,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``logits`` and ``target`` hold chosen sequences first, rejected second (dim 0 of 2).
+    Returns the sum over these pairs of the loss terms (each divided by ``pairs``) and the aux
+    of these pairs (sums, for the means over all pairs, divided likewise)."""
+    logps = _sequence_logps(logits, target, ignore_index)
+    with torch.no_grad():
+        ref_logps = _sequence_logps(ref_logits, target, ignore_index)
+    chosen_rewards = beta * (logps[0] - ref_logps[0])
+    rejected_rewards = beta * (logps[1] - ref_logps[1])
+    loss = -F.logsigmoid(chosen_rewards - rejected_rewards).sum() / pairs
+    nll = -logps[0].sum() / tokens
+    if compute_nll_loss:
+        loss = loss + nll
+    vocab = logits.shape[-1]
+    aux = {
+        "chosen_logps": logps[0].detach(),
+        "rejected_logps": logps[1].detach(),
+        "chosen_logits_mean": logits[0].detach().sum() / (pairs * logits.shape[2] * vocab),
+        "rejected_logits_mean": logits[1].detach().sum() / (pairs * logits.shape[2] * vocab),
+        "nll_loss": nll.detach(),
+        "chosen_rewards": chosen_rewards.detach(),
+        "rejected_rewards": rejected_rewards.detach(),
+    }
+    return loss, aux
+
+
+def dpo_reference(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ref_input: Tensor | None = None,
+    ref_weight: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain PyTorch DPO over (2B, T, H) hidden states, chosen first: (loss, aux)."""
+    pairs = input.shape[0] // 2
+    shape = (2, pairs, *input.shape[1:])
+    target2 = target.view(2, pairs, -1)
+    tokens = int((target2[0] != ignore_index).sum().clamp(min=1))
+    logits = _logits(input.view(shape), weight, bias)
+    ref_logits = _logits(_or(ref_input, input).view(shape), _or(ref_weight, weight), ref_bias)
+    return _dpo_pairs(
+        logits, ref_logits, target2, beta, ignore_index, pairs, tokens, compute_nll_loss
+    )
+
+
+def fused_linear_dpo(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    ref_input: Tensor | None = None,
+    ref_weight: Tensor | None = None,
+    ref_bias: Tensor | None = None,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = False,
+    chunk_size: int = 1,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The chunked kernel: chunks of ``chunk_size`` chosen/rejected pairs."""
+    pairs = input.shape[0] // 2
+    shape = (2, pairs, *input.shape[1:])
+    target2 = target.view(2, pairs, -1)
+    tokens = int((target2[0] != ignore_index).sum().clamp(min=1))
+    ref_x = _or(ref_input, input).detach().view(shape)
+
+    def chunk(
+        x: Tensor, w: Tensor, b: Tensor | None, t: Tensor, rx: Tensor, rw: Tensor, rb: Tensor | None
+    ) -> Any:
+        with torch.no_grad():
+            ref_logits = _logits(rx, rw, rb, True)
+        loss, aux = _dpo_pairs(
+            _logits(x, w, b, True),
+            ref_logits,
+            t,
+            beta,
+            ignore_index,
+            pairs,
+            tokens,
+            compute_nll_loss,
+        )
+        return loss, tuple(aux[name] for name in AUX_NAMES)
+
+    rw = _or(ref_weight, weight).detach()
+    rb = None if ref_bias is None else ref_bias.detach()
+    loss, aux = _run(
+        chunk, 1, chunk_size, input.view(shape), weight, bias, (target2, ref_x), (rw, rb)
+    )
+    return loss, dict(zip(AUX_NAMES, aux))
+
+
+def _or(value: Tensor | None, default: Tensor) -> Tensor:
+    return default if value is None else value
+
+
+class _LMHeadDPO(torch.nn.Module):
+    """A policy head ``lin`` and a frozen reference model's head ``ref_lin``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        vocab: int,
+        dtype: torch.dtype,
+        bias: bool = True,
+        beta: float = 0.1,
+        ignore_index: int = -100,
+    ) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(hidden, vocab, bias=bias, dtype=dtype)
+        self.ref_lin = torch.nn.Linear(hidden, vocab, bias=bias, dtype=dtype)
+        self.beta, self.ignore_index = beta, ignore_index
+
+
+class TorchLMHeadDPO(_LMHeadDPO):
+    """The reference head: plain PyTorch. Its ``ref_lin`` requires grad, as an ``nn.Linear``
+    does by default; nothing reaches it, since the reference model's log-probabilities are
+    taken without gradient."""
+
+    def forward(self, x: Tensor, ref_x: Tensor, target: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return dpo_reference(
+            x,
+            self.lin.weight,
+            target,
+            self.lin.bias,
+            ref_x,
+            self.ref_lin.weight,
+            self.ref_lin.bias,
+            self.beta,
+            self.ignore_index,
+        )
+
+
+class FusedLMHeadDPO(_LMHeadDPO):
+    """The kernel head: the chunked DPO."""
+
+    def forward(self, x: Tensor, ref_x: Tensor, target: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return fused_linear_dpo(
+            x,
+            self.lin.weight,
+            target,
+            self.lin.bias,
+            ref_x,
+            self.ref_lin.weight,
+            self.ref_lin.bias,
+            self.beta,
+            self.ignore_index,
+        )
