@@ -33,6 +33,12 @@ from pytest_gradref.diff import (
 
 BASELINE = Path("tests/kernels/precision-baseline-cpu.json")
 
+# ATEN_CPU_CAPABILITY moves ATen's kernels to another ISA but leaves Inductor's code generation
+# out of step with them: on an AVX-512 host, torch 2.13 then miscompiles plain PyTorch (the bias
+# gradient of an nn.Linear in a compiled module), which no real CPU of that ISA would see. The
+# compiled tests are left out of those variants.
+_EAGER_ONLY = ["--ignore=tests/kernels/test_compile.py"]
+
 # name -> (environment, extra pytest arguments); the baseline itself is written under xdist
 # with two workers (scripts/refresh_precision_baseline.sh).
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
@@ -42,8 +48,8 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "onednn-avx512-bf16": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, ["-n", "2"]),
     "onednn-avx512": ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, ["-n", "2"]),
     "onednn-avx2": ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, ["-n", "2"]),
-    "aten-avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, ["-n", "2"]),
-    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, ["-n", "2"]),
+    "aten-avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, ["-n", "2", *_EAGER_ONLY]),
+    "aten-default": ({"ATEN_CPU_CAPABILITY": "default"}, ["-n", "2", *_EAGER_ONLY]),
 }
 
 
