@@ -276,6 +276,13 @@ class Setup:
             f"gradref: device={self.label} ({description}; {self.device_source}) "
             f"strategy={strategy} ({strategy_from}) seed={seed}"
         )
+        if self.simulated:
+            # Said where a compiled kernel's results are read: on this device they are not the
+            # compiled path's (simulated.py, _not_traced).
+            line += (
+                " | simulated: torch.compile runs simulated tensors eagerly (Dynamo cannot "
+                "trace them; fullgraph=True raises)"
+            )
         if self.unavailable:
             reasons = "; ".join(f"{name} unavailable: {why}" for name, why in self.unavailable)
             line += f" | {reasons}"
