@@ -35,10 +35,10 @@ needs no queue. A backward started from another thread (one the test starts itse
 takes the device queues, and on ``npu:1`` or above meets that assert.
 
 What it does not prove: Ascend numerics (every operator is torch's CPU kernel), torch_npu's
-own operators (``torch_npu.npu_*``, stubs here) and compiled code. The simulation is process-global and
-cannot be undone; it refuses to install where a real torch_npu imports, with or without a
-device (only a torch_npu that fails to import, which the npu probe reports as unavailable,
-leaves it free).
+own operators (``torch_npu.npu_*``, stubs here) and compiled code. The simulation is
+process-global and cannot be undone; it refuses to install where a real torch_npu imports,
+with or without a device (only a torch_npu that fails to import, which the npu probe reports
+as unavailable, leaves it free).
 """
 
 from __future__ import annotations
