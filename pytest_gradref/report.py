@@ -118,6 +118,9 @@ class ReportCollector:
             # The backend's default rather than an option's choice: two runs on devices with
             # different defaults (autograd on cuda, grad_and_value on npu) still compare.
             "strategy_is_default": setup is not None and setup.strategy is None,
+            # What the tests received under the default and under crosscheck: a crosscheck
+            # report compares across devices as a default one does.
+            "default_strategy": setup.backend.default_strategy if setup is not None else None,
             # Dtypes whose golden references the backend computes on the CPU.
             "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
             # Run under --gradref-simulate, or any test on a simulated device: such a report
