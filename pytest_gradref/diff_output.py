@@ -117,7 +117,7 @@ def render_markdown(diff: Diff, top: int = 20) -> str:
     if shown:
         lines += [
             "",
-            "| | ratio | before | after | headroom before → after | dtype | test | item |",
+            "| | ratio | before | after | headroom before -> after | dtype | test | item |",
             "|---|---:|---:|---:|---:|---|---|---|",
         ]
     for item in shown:

@@ -382,7 +382,7 @@ MARKDOWN = """\
 - base `{base}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (3 tests)
 - new `{new}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (2 tests)
 
-| | ratio | before | after | headroom before → after | dtype | test | item |
+| | ratio | before | after | headroom before -> after | dtype | test | item |
 |---|---:|---:|---:|---:|---|---|---|
 | :x: error grew 5x | 5x | 2e-06 | 1e-05 | 50.0% -> 20.0% | float32 | `t.py::test_a` | \
 gradient of argument 0 (x) |
