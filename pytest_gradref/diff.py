@@ -58,6 +58,11 @@ class Report:
     strategy: str | None
     strategy_is_default: bool
     tests: dict[str, dict[str, Any]]
+    # The backend's default strategy: what the tests received under the default and under
+    # crosscheck (None where an older report cannot tell).
+    default_strategy: str | None = None
+    # Run on a simulated device (--gradref-simulate): the CPU's operators, not the device's.
+    simulated: bool = False
 
     def describe(self) -> str:
         strategy = (
@@ -66,10 +71,24 @@ class Report:
             else self.strategy
         )
         return (
-            f"device={self.device} backend={self.backend} strategy={strategy} "
-            f"seed={self.base_seed} torch={self.torch} "
+            f"device={self.device}{' (simulated)' if self.simulated else ''} "
+            f"backend={self.backend} strategy={strategy} seed={self.base_seed} torch={self.torch} "
             f"({len(self.tests)} {'test' if len(self.tests) == 1 else 'tests'})"
         )
+
+    def strategy_origin(self, record: dict[str, Any]) -> str:
+        """Why a test of this report has the strategies it has: what a refusal names."""
+        received = record.get("strategies")
+        if received == [self.strategy]:
+            if self.strategy_is_default:
+                return f"{self.backend}'s default"
+            return f"{self.strategy} chosen for the run by --gradref-strategy or its env/ini"
+        if self.strategy == "crosscheck" and received == [self.default_strategy]:
+            return (
+                f"the run was a crosscheck: its tests received {self.backend}'s default, "
+                f"{self.default_strategy}"
+            )
+        return "chosen by a gradref(strategy=...) marker on the test"
 
 
 def _number(value: Any) -> float:
@@ -120,6 +139,10 @@ def parse_report(document: Any, name: str) -> Report:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise UnusableInput(f"{name}: {record['nodeid']}: no list of items")
         tests[record["nodeid"]] = record
+    strategy_is_default = document.get("strategy_is_default") is True
+    default_strategy = document.get("default_strategy")
+    if default_strategy is None and strategy_is_default:  # a report from before the field
+        default_strategy = document.get("strategy")
     return Report(
         path=name,
         format_version=version,
@@ -128,8 +151,10 @@ def parse_report(document: Any, name: str) -> Report:
         device=document.get("device"),
         backend=document.get("backend"),
         strategy=document.get("strategy"),
-        strategy_is_default=document.get("strategy_is_default") is True,
+        strategy_is_default=strategy_is_default,
         tests=tests,
+        default_strategy=default_strategy,
+        simulated=document.get("simulated") is True,
     )
 
 
@@ -149,10 +174,8 @@ class ItemDiff:
     passed_before: bool
     passed_after: bool
     regression: str  # why it is one ("" if it is not)
-
-    @property
-    def headroom_change(self) -> float:
-        return self.headroom_after - self.headroom_before
+    # What would have been a regression but is not counted as one (see Diff.uncounted_why).
+    uncounted: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,6 +203,8 @@ class Diff:
     only_in_new: list[Missing] = field(default_factory=list)
     # Differences of set-up that were compared anyway (--allow-mismatch).
     mismatches: list[str] = field(default_factory=list)
+    # Why no change counts as a regression here ("" when they do).
+    uncounted_why: str = ""
 
     @property
     def regressions(self) -> list[ItemDiff]:
@@ -197,17 +222,23 @@ def _labelled(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _received_default(report: Report, nodeid: str) -> bool:
+    """Whether the test received its backend's default strategy: under the default, and under
+    crosscheck (which gives the test the default and checks it against the other)."""
+    return (report.strategy_is_default or report.strategy == "crosscheck") and report.tests[
+        nodeid
+    ].get("strategies") == [report.default_strategy]
+
+
 def _follows_device_defaults(base: Report, new: Report, nodeid: str) -> bool:
     """Whether a test's strategies differ only because each run took its own backend's
     default: the comparison across devices that the reports exist for (a CUDA run's autograd
     reference against an npu run's grad_and_value), each error measured against its own run's
-    golden."""
+    golden. A crosscheck run counts as its default: its tests received it."""
     return (
-        base.strategy_is_default
-        and new.strategy_is_default
-        and base.backend != new.backend
-        and base.tests[nodeid].get("strategies") == [base.strategy]
-        and new.tests[nodeid].get("strategies") == [new.strategy]
+        base.backend != new.backend
+        and _received_default(base, nodeid)
+        and _received_default(new, nodeid)
     )
 
 
@@ -225,12 +256,28 @@ def mismatches(base: Report, new: Report) -> list[str]:
     ]
     if differing:
         first = differing[0]
+        base_record, new_record = base.tests[first], new.tests[first]
         found.append(
             f"strategies differ in {len(differing)} tests, e.g. {first}: "
-            f"{base.tests[first].get('strategies')} in base, "
-            f"{new.tests[first].get('strategies')} in new"
+            f"{base_record.get('strategies')} in base ({base.strategy_origin(base_record)}), "
+            f"{new_record.get('strategies')} in new ({new.strategy_origin(new_record)}); "
+            "only each device's own default (or a crosscheck's) compares across devices"
         )
     return found
+
+
+def simulation_differs(base: Report, new: Report) -> str:
+    """Why the two reports' changes are no regressions when one ran on a simulated device and
+    the other did not ("" otherwise)."""
+    if base.simulated == new.simulated:
+        return ""
+    which = "new" if new.simulated else "base"
+    return (
+        f"{which} ran on a simulated device, the other on a real one: the simulation runs the "
+        "CPU's operators and compiled code eagerly, so its changes are the code path's, not "
+        "the device's; shown, not counted as regressions (compare two simulated reports, or "
+        "two real ones, to gate)"
+    )
 
 
 def _allowance(item: dict[str, Any]) -> float:
@@ -275,7 +322,8 @@ def compare(
         raise UnusableInput(
             "; ".join(found) + ": the errors are not comparable (--allow-mismatch compares anyway)"
         )
-    diff = Diff(base, new, threshold, floor, noise, mismatches=found)
+    uncounted_why = simulation_differs(base, new)
+    diff = Diff(base, new, threshold, floor, noise, mismatches=found, uncounted_why=uncounted_why)
     for nodeid in sorted(base.tests.keys() - new.tests.keys()):
         diff.only_in_base.append(Missing(nodeid))
     for nodeid in sorted(new.tests.keys() - base.tests.keys()):
@@ -308,12 +356,17 @@ def compare(
                 passed_after=now.get("passed") is True,
                 regression="",
             )
-            diff.items.append(replace(item, regression=_verdict(item, threshold)))
+            verdict = _verdict(item, threshold)
+            if uncounted_why:
+                diff.items.append(replace(item, uncounted=verdict))
+            else:
+                diff.items.append(replace(item, regression=verdict))
     diff.items.sort(key=_worst_first)
     return diff
 
 
 def _worst_first(item: ItemDiff) -> tuple[int, float, str, str]:
-    """Regressions first, then by ratio, greatest first (NaN ratios last), then by name."""
+    """Regressions (counted or not) first, then by ratio, greatest first (NaN ratios last),
+    then by name."""
     ratio = -math.inf if math.isnan(item.ratio) else item.ratio
-    return (0 if item.regression else 1, -ratio, item.nodeid, item.label)
+    return (0 if item.regression or item.uncounted else 1, -ratio, item.nodeid, item.label)

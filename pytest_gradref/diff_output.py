@@ -23,10 +23,23 @@ def _ratio(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.3g}x"
 
 
-def _change(value: float) -> str:
-    if math.isnan(value) or math.isinf(value):
-        return "n/a"
-    return f"{value:+.1%}"
+def _share(value: float) -> str:
+    return "n/a" if math.isnan(value) or math.isinf(value) else f"{value:.1%}"
+
+
+def _headroom(item: ItemDiff) -> str:
+    """Headroom before -> after: the share of the allowance left (100% exact, 0% at the limit,
+    negative when failing). Both values, not their difference: a passing item whose headroom
+    shrank a little must not read as a failure."""
+    return f"{_share(item.headroom_before)} -> {_share(item.headroom_after)}"
+
+
+def _mark(item: ItemDiff) -> str:
+    if item.regression:
+        return item.regression
+    if item.uncounted:
+        return f"{item.uncounted} (not counted: simulated vs real)"
+    return ""
 
 
 def _shown(diff: Diff, top: int) -> list[ItemDiff]:
@@ -56,16 +69,19 @@ def render_text(diff: Diff, top: int = 20) -> str:
         f"new:  {diff.new.path}: {diff.new.describe()}",
     ]
     lines += [f"compared despite a mismatch: {m}" for m in diff.mismatches]
+    if diff.uncounted_why:
+        lines.append(f"note: {diff.uncounted_why}")
     lines.append(_verdict_line(diff))
     shown = _shown(diff, top)
     if shown:
-        header = f"{'ratio':>9}  {'before':>9}  {'after':>9}  {'headroom':>9}  {'dtype':>8}  item"
+        headroom = "headroom before -> after"
+        header = f"{'ratio':>9}  {'before':>9}  {'after':>9}  {headroom:>24}  {'dtype':>8}  item"
         lines.append(header)
     for item in shown:
-        mark = f"  <- {item.regression}" if item.regression else ""
+        mark = f"  <- {_mark(item)}" if _mark(item) else ""
         lines.append(
             f"{_ratio(item.ratio):>9}  {_num(item.before):>9}  {_num(item.after):>9}  "
-            f"{_change(item.headroom_change):>9}  {item.dtype:>8}  "
+            f"{_headroom(item):>24}  {item.dtype:>8}  "
             f"{item.nodeid}: {item.label}{mark}"
         )
     if len(shown) < len(diff.items):
@@ -95,18 +111,20 @@ def render_markdown(diff: Diff, top: int = 20) -> str:
         f"- new `{diff.new.path}`: {diff.new.describe()}",
     ]
     lines += [f"- compared despite a mismatch: {m}" for m in diff.mismatches]
+    if diff.uncounted_why:
+        lines.append(f"- note: {diff.uncounted_why}")
     shown = _shown(diff, top)
     if shown:
         lines += [
             "",
-            "| | ratio | before | after | headroom change | dtype | test | item |",
+            "| | ratio | before | after | headroom before -> after | dtype | test | item |",
             "|---|---:|---:|---:|---:|---|---|---|",
         ]
     for item in shown:
-        mark = f":x: {item.regression}" if item.regression else ""
+        mark = f":x: {item.regression}" if item.regression else _mark(item)
         lines.append(
             f"| {mark} | {_ratio(item.ratio)} | {_num(item.before)} | {_num(item.after)} | "
-            f"{_change(item.headroom_change)} | {item.dtype} | `{_cell(item.nodeid)}` | "
+            f"{_headroom(item)} | {item.dtype} | `{_cell(item.nodeid)}` | "
             f"{_cell(item.label)} |"
         )
     if len(shown) < len(diff.items):
@@ -136,6 +154,8 @@ def render_json(diff: Diff) -> str:
             "backend": report.backend,
             "strategy": report.strategy,
             "strategy_is_default": report.strategy_is_default,
+            "default_strategy": report.default_strategy,
+            "simulated": report.simulated,
         }
 
     def missing(entries: list[Missing]) -> dict[str, Any]:
@@ -151,6 +171,7 @@ def render_json(diff: Diff) -> str:
         "floor": diff.floor,
         "noise": diff.noise,
         "mismatches": diff.mismatches,
+        "uncounted_why": diff.uncounted_why or None,
         "regressions": len(diff.regressions),
         "items": [
             {
@@ -166,6 +187,7 @@ def render_json(diff: Diff) -> str:
                 "passed_before": item.passed_before,
                 "passed_after": item.passed_after,
                 "regression": item.regression or None,
+                "uncounted": item.uncounted or None,
             }
             for item in diff.items
         ],

@@ -48,6 +48,7 @@ def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.backends import BackendRegistry
+    from pytest_gradref.device_coverage import DeviceCoverage
     from pytest_gradref.markers import MARKER_LINES
     from pytest_gradref.report import ReportCollector
     from pytest_gradref.settings import (
@@ -57,7 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
         SEED_OPTION,
         SIMULATE_OPTION,
         STRATEGY_OPTION,
+        STRICT_DEVICE_OPTION,
         parse_device,
+        parse_flag,
         parse_seed,
         parse_simulate,
         parse_strategy,
@@ -97,8 +100,10 @@ def pytest_configure(config: pytest.Config) -> None:
         simulated=frozenset({simulate} if simulate else ()),
     )
     config.stash[state_key] = state
+    coverage = DeviceCoverage(strict=parse_flag(read_setting(config, STRICT_DEVICE_OPTION)))
+    config.pluginmanager.register(coverage, "gradref-device-coverage")
     collector = ReportCollector(
-        config.getoption(REPORT_OPTION.dest), seed, simulated=simulate is not None
+        config.getoption(REPORT_OPTION.dest), seed, coverage, simulated=simulate is not None
     )
     config.pluginmanager.register(collector, "gradref-report")
     if config.getoption(BASELINE_OPTION.dest) and not is_xdist_worker(config):
@@ -204,6 +209,10 @@ def pytest_runtest_makereport(
     report = yield
     recording = item.stash.get(recording_key, None)
     state = gradref_state(item.config)
+    if report.when == "call" and state.resolved is not None:
+        from pytest_gradref.device_coverage import USE_ATTRIBUTE, device_use
+
+        report.__dict__[USE_ATTRIBUTE] = device_use(_uses_gradref(item), state.resolved)
     if report.when == "call" and recording is not None and state.resolved is not None:
         from pytest_gradref.report import RECORD_ATTRIBUTE, record_for_test
 

@@ -277,7 +277,11 @@ class Reference:
         if self.policy.recording is not None:
             self.policy.recording.add_checks(checks)
         if not all(check.passed for check in checks):
-            header = f"Reference mismatch ({self.backend} backend, {self.strategy} reference)"
+            # The device index too: under xdist each worker has its own (npu:0, npu:1).
+            header = (
+                f"Reference mismatch on {self.value.device} ({self.backend} backend, "
+                f"{self.strategy} reference)"
+            )
             raise AssertionError(format_failures(header, checks))
 
     def _item(

@@ -15,6 +15,7 @@ import pytest
 from pytest_gradref.settings import seed_for_test
 
 if TYPE_CHECKING:
+    from pytest_gradref.device_coverage import DeviceCoverage
     from pytest_gradref.reference import Recording
     from pytest_gradref.settings import Setup
 
@@ -70,9 +71,16 @@ def record_for_test(
 class ReportCollector:
     """A plugin object that gathers the records on the process that reports (controller)."""
 
-    def __init__(self, path: str | None, base_seed: int, simulated: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | None,
+        base_seed: int,
+        coverage: DeviceCoverage,
+        simulated: bool = False,
+    ) -> None:
         self.path = Path(path) if path else None
         self.base_seed = base_seed
+        self.coverage = coverage
         self.simulated = simulated
         self.records: list[dict[str, Any]] = []
 
@@ -110,17 +118,26 @@ class ReportCollector:
             "format_version": FORMAT_VERSION,
             "base_seed": self.base_seed,
             "torch": str(torch.__version__) if torch is not None else None,
+            # The session's device; under xdist each worker's may differ (npu:0, npu:1): the
+            # devices that tests ran on are "devices", and each test's is in its record.
             "device": setup.label if setup is not None else None,
+            "devices": self.coverage.devices(),
             "backend": setup.backend.name if setup is not None else None,
             "strategy": setup.effective_strategy() if setup is not None else None,
             # The backend's default rather than an option's choice: two runs on devices with
             # different defaults (autograd on cuda, grad_and_value on npu) still compare.
             "strategy_is_default": setup is not None and setup.strategy is None,
+            # What the tests received under the default and under crosscheck: a crosscheck
+            # report compares across devices as a default one does.
+            "default_strategy": setup.backend.default_strategy if setup is not None else None,
             # Dtypes whose golden references the backend computes on the CPU.
             "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
             # Run under --gradref-simulate, or any test on a simulated device: such a report
             # proves the code path, not the hardware.
             "simulated": self.simulated or any(r.get("simulated", False) for r in self.records),
+            # How many tests used the gradref device (a gradref fixture or marker), how many
+            # ran without it, and which.
+            "device_coverage": self.coverage.fields(),
         }
 
     def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:

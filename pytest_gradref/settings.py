@@ -53,6 +53,8 @@ class OptionSpec:
         extra: dict[str, Any] = {"action": self.action}
         if self.action == "store":
             extra.update(default=None, type=self.type, metavar=self.metavar)
+        elif self.env is not None:  # a flag that is also a setting: None when not given
+            extra.update(default=None)
         group.addoption(self.flag, dest=self.dest, help=self.help, **extra)
         if self.ini is not None:
             parser.addini(self.ini, help=self.help, default="")
@@ -119,6 +121,23 @@ SIMULATE_OPTION = OptionSpec(
     "--gradref-simulate", "gradref_simulate", SIMULATE_HELP, "GRADREF_SIMULATE", "gradref_simulate"
 )
 SIMULATABLE = ("npu",)
+# The session's exit status when --gradref-strict-device finds tests that ran without the
+# gradref device (BASELINE_REGRESSION_EXIT is 6).
+STRICT_DEVICE_EXIT = 7
+STRICT_DEVICE_HELP = (
+    "on any device but the CPU, or a simulated one, fail the session (exit status "
+    f"{STRICT_DEVICE_EXIT}) when tests ran without the gradref device (no gradref fixture or "
+    "marker), so that coverage that did not happen cannot pass; true or false for the "
+    "environment variable and the ini key. Default: false."
+)
+STRICT_DEVICE_OPTION = OptionSpec(
+    "--gradref-strict-device",
+    "gradref_strict_device",
+    STRICT_DEVICE_HELP,
+    "GRADREF_STRICT_DEVICE",
+    "gradref_strict_device",
+    action="store_true",
+)
 
 # Every option of the gradref group, in the order --help lists them.
 OPTIONS = (
@@ -126,6 +145,7 @@ OPTIONS = (
     STRATEGY_OPTION,
     SEED_OPTION,
     SIMULATE_OPTION,
+    STRICT_DEVICE_OPTION,
     REPORT_OPTION,
     BASELINE_OPTION,
     BASELINE_FAIL_OPTION,
@@ -181,6 +201,22 @@ def parse_simulate(setting: Setting) -> str | None:
         f"Invalid gradref simulate value {setting.value!r} from {setting.source}; valid values "
         f"are {', '.join(SIMULATABLE)} or none"
     )
+
+
+FLAG_VALUES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_flag(setting: Setting) -> bool:
+    """A yes-or-no setting: the flag on the command line, true or false elsewhere."""
+    if setting.source == "the default":
+        return False
+    value = FLAG_VALUES.get(setting.value.lower())
+    if value is None:
+        raise pytest.UsageError(
+            f"Invalid value {setting.value!r} from {setting.source}; valid values are "
+            f"{', '.join(FLAG_VALUES)}"
+        )
+    return value
 
 
 def seed_for_test(base: int, nodeid: str) -> int:
@@ -276,6 +312,13 @@ class Setup:
             f"gradref: device={self.label} ({description}; {self.device_source}) "
             f"strategy={strategy} ({strategy_from}) seed={seed}"
         )
+        if self.simulated:
+            # Said where a compiled kernel's results are read: on this device they are not the
+            # compiled path's (simulated.py, _not_traced).
+            line += (
+                " | simulated: torch.compile runs simulated tensors eagerly (Dynamo cannot "
+                "trace them; fullgraph=True raises)"
+            )
         if self.unavailable:
             reasons = "; ".join(f"{name} unavailable: {why}" for name, why in self.unavailable)
             line += f" | {reasons}"

@@ -14,7 +14,15 @@ A tensor on a simulated npu is a wrapper around a CPU tensor (``SimulatedNpuTens
 operator runs on the CPU tensors inside. It behaves as a separate device: ``.cpu()`` and
 ``.to("npu")`` copy, and an operator that mixes npu tensors with CPU tensors (0-dim CPU
 scalars aside) or with another npu index raises, as on real hardware. So a test that forgot to
-move a tensor fails here as it would on an NPU.
+move a tensor fails here as it would on an NPU. Where CUDA takes CPU tensors, so does the
+simulation: the indices of advanced indexing (``x[cpu_index]``, ``index_put_``).
+
+Other libraries see an npu: ``torch_npu`` imports and ``torch.npu.is_available()`` is True (so
+transformers' ``is_torch_npu_available()``). torch_npu's own kernels (any ``torch_npu.npu_*``)
+import but raise ``SimulatedDeviceError`` when called, naming the way out.
+
+Dynamo cannot trace the simulated tensors: a compiled frame that meets one runs eagerly (with
+``fullgraph=True`` it raises), and the header says so.
 
 Backward runs on the calling thread: the simulation turns off the autograd engine's device
 threads for the thread that installs it (the one pytest runs tests in), so
@@ -26,12 +34,12 @@ with an internal assert of the engine (``Engine::ready_queue``). Run in the call
 needs no queue. A backward started from another thread (one the test starts itself) still
 takes the device queues, and on ``npu:1`` or above meets that assert.
 
-What it does not prove: Ascend numerics (every operator is torch's CPU kernel), and torch_npu's
-own operators (``torch_npu.npu_*``) do not exist here. The simulation is process-global and
-cannot be undone; it refuses to install where a real torch_npu imports, with or without a
-device (only a torch_npu that fails to import, which the npu probe reports as unavailable,
-leaves it free). It needs torch 2.10 or later (``REQUIRED_TORCH``); on an older torch the
-option is a usage error.
+What it does not prove: Ascend numerics (every operator is torch's CPU kernel), torch_npu's
+own operators (``torch_npu.npu_*``, stubs here) and compiled code. The simulation is
+process-global and cannot be undone; it refuses to install where a real torch_npu imports,
+with or without a device (only a torch_npu that fails to import, which the npu probe reports
+as unavailable, leaves it free). It needs torch 2.10
+or later (``REQUIRED_TORCH``); on an older torch the option is a usage error.
 """
 
 from __future__ import annotations
@@ -104,6 +112,14 @@ def _torch_device(device: Any) -> torch.device:
 # --- the tensor ----------------------------------------------------------------------------
 
 
+# Dynamo cannot trace the simulation's Python (it stops at _make_wrapper_subclass), and a frame
+# it fails to trace is retried per new set of arguments until the recompile limit: every entry
+# point from the dispatcher runs with Dynamo off, so compiled code around simulated tensors
+# takes graph breaks once and runs these eagerly. torch._disable_dynamo imports Dynamo only
+# when a decorated function first runs (the public torch.compiler.disable imports it here).
+_not_traced = torch._disable_dynamo  # type: ignore[attr-defined]
+
+
 class SimulatedNpuTensor(torch.Tensor):
     """A tensor on a simulated npu: its data is the CPU tensor ``cpu_data``."""
 
@@ -139,6 +155,7 @@ class SimulatedNpuTensor(torch.Tensor):
         )
 
     @classmethod
+    @_not_traced
     def __torch_dispatch__(  # type: ignore[override]
         cls,
         func: Any,
@@ -152,6 +169,19 @@ class SimulatedNpuTensor(torch.Tensor):
 
 def _is_cpu_scalar(value: torch.Tensor) -> bool:
     return value.device.type == "cpu" and value.dim() == 0
+
+
+def _index_ops() -> frozenset[Any]:
+    """The operators whose index tensors (argument 1) CUDA accepts on the CPU: advanced
+    indexing moves them to the indexed tensor's device (``AdvancedIndex`` in ATen's
+    TensorAdvancedIndexing.cpp), for reads (``x[i]``, ``x[mask]``) and writes (``x[i] = v``,
+    ``index_put_``). Others that take an index (index_select, gather, scatter, masked_fill)
+    check devices on CUDA and refuse a CPU index, so they refuse here too."""
+    aten = torch.ops.aten
+    return frozenset(
+        {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+        | {aten._index_put_impl_.default}
+    )
 
 
 def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -168,7 +198,14 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             cpu_operands.append(value)
         return value
 
-    tree_map(look, (args, kwargs))
+    if func in _INDEX_OPS:
+        # The indices (argument 1) may stay on the CPU, as on CUDA; npu ones must match.
+        tree_map(look, (args[0], args[2:], kwargs))
+        for index in args[1]:
+            if isinstance(index, SimulatedNpuTensor):
+                look(index)
+    else:
+        tree_map(look, (args, kwargs))
     copying = func in (aten.copy_.default, aten._copy_from.default)
     if len(devices) > 1 or (cpu_operands and not copying):
         where = sorted({str(d) for d in devices} | {str(t.device) for t in cpu_operands})
@@ -203,6 +240,9 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return tree_map(wrap, out)
 
 
+_INDEX_OPS = _index_ops()
+
+
 def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     source = args[0]
     target = kwargs.pop("device", None)
@@ -217,6 +257,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 # --- factories: the PrivateUse1 kernels that create tensors --------------------------------
 
 
+@_not_traced
 def _empty(
     size: Any,
     dtype: Any = None,
@@ -229,6 +270,7 @@ def _empty(
     return SimulatedNpuTensor(inner, _torch_device(device))
 
 
+@_not_traced
 def _empty_strided(
     size: Any,
     stride: Any,
@@ -241,6 +283,7 @@ def _empty_strided(
     return SimulatedNpuTensor(inner, _torch_device(device))
 
 
+@_not_traced
 def _copy_from(source: torch.Tensor, dest: torch.Tensor, non_blocking: bool = False) -> Any:
     # Reached for copies between a CPU tensor and an npu wrapper: copy the data across.
     src = source.cpu_data if isinstance(source, SimulatedNpuTensor) else source
@@ -328,11 +371,41 @@ def _device_module() -> types.ModuleType:
     return module
 
 
+def _kernel_stub(name: str) -> Callable[..., Any]:
+    def stub(*args: Any, **kwargs: Any) -> Any:
+        raise SimulatedDeviceError(
+            f"torch_npu.{name} is not simulated: the simulated npu (--gradref-simulate=npu) "
+            "runs torch's own CPU operators and has none of torch_npu's kernels. Take the "
+            "portable path where torch_npu.simulated is True, mark the test "
+            "@pytest.mark.gradref_skip('npu', reason=...), or run it on a real NPU."
+        )
+
+    stub.__name__ = stub.__qualname__ = name
+    stub.__module__ = "torch_npu"
+    return stub
+
+
 def _stand_in(npu: types.ModuleType) -> types.ModuleType:
     module = types.ModuleType(
         "torch_npu", "A stand-in for torch_npu: the simulated npu of pytest-gradref."
     )
-    module.__dict__.update(npu=npu, __version__=f"{torch.__version__}+simulated", simulated=True)
+
+    def kernel(name: str) -> Callable[..., Any]:
+        # The rule other libraries see: the npu is there (torch_npu imports, torch.npu is
+        # available), and torch_npu's own kernels (npu_*) import, as transformers' npu
+        # attention module imports npu_fusion_attention, but raise SimulatedDeviceError when
+        # called. Other missing names stay an AttributeError.
+        if not name.startswith("npu_"):
+            raise AttributeError(f"module 'torch_npu' (simulated) has no attribute {name!r}")
+        stub = module.__dict__[name] = _kernel_stub(name)
+        return stub
+
+    module.__dict__.update(
+        npu=npu,
+        __version__=f"{torch.__version__}+simulated",
+        simulated=True,
+        __getattr__=kernel,
+    )
     # importlib.util.find_spec("torch_npu"), as the npu probe calls it, reads the spec.
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     return module

@@ -256,8 +256,10 @@ def test_mismatched_strategies_are_refused_unless_allowed(
     status, _, err = _diff(capsys, base, new_path)
     assert status == 2
     assert (
-        "strategies differ in 1 tests, e.g. t.py::test_a: ['autograd'] in base, "
-        "['grad_and_value'] in new" in err
+        "strategies differ in 1 tests, e.g. t.py::test_a: ['autograd'] in base (autograd "
+        "chosen for the run by --gradref-strategy or its env/ini), ['grad_and_value'] in new "
+        "(chosen by a gradref(strategy=...) marker on the test); only each device's own "
+        "default (or a crosscheck's) compares across devices" in err
     )
     assert _diff(capsys, base, new_path, "--allow-mismatch")[0] == 0
 
@@ -380,13 +382,13 @@ MARKDOWN = """\
 - base `{base}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (3 tests)
 - new `{new}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (2 tests)
 
-| | ratio | before | after | headroom change | dtype | test | item |
+| | ratio | before | after | headroom before -> after | dtype | test | item |
 |---|---:|---:|---:|---:|---|---|---|
-| :x: error grew 5x | 5x | 2e-06 | 1e-05 | -30.0% | float32 | `t.py::test_a` | \
+| :x: error grew 5x | 5x | 2e-06 | 1e-05 | 50.0% -> 20.0% | float32 | `t.py::test_a` | \
 gradient of argument 0 (x) |
-|  | 1x | 1e-07 | 1e-07 | +0.0% | float32 | `t.py::test_a` | value |
-|  | 1x | 0 | 0 | +0.0% | float32 | `t.py::test_b` | value |
-|  | 1x | 3e-07 | 3e-07 | +0.0% | float32 | `t.py::test_b` | value #2 |
+|  | 1x | 1e-07 | 1e-07 | 50.0% -> 50.0% | float32 | `t.py::test_a` | value |
+|  | 1x | 0 | 0 | 100.0% -> 100.0% | float32 | `t.py::test_b` | value |
+|  | 1x | 3e-07 | 3e-07 | 50.0% -> 50.0% | float32 | `t.py::test_b` | value #2 |
 
 Only in base (coverage that vanished): 1
 
@@ -544,3 +546,55 @@ def test_growth_is_judged_in_units_of_the_allowance(
     # Judged raw, every one of them grew beyond the threshold.
     raw = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new), noise=0)
     assert len(raw.regressions) == 1
+
+
+def _crosscheck(document: dict[str, Any], backend: str, default: str) -> dict[str, Any]:
+    """``document`` as a crosscheck run on ``backend``: its tests received ``default``."""
+    moved = _on_device(document, backend, default)
+    moved.update(strategy="crosscheck", strategy_is_default=False, default_strategy=default)
+    return moved
+
+
+def test_a_crosscheck_report_compares_across_devices_as_a_default_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cpu = _crosscheck(BASE, "cpu", "autograd")
+    npu = _on_device(BASE, "npu", "grad_and_value")
+    base, new = _write(tmp_path / "base.json", cpu), _write(tmp_path / "new.json", npu)
+    status, out, _ = _diff(capsys, base, new)
+    assert status == 0
+    assert "compared despite a mismatch" not in out
+    # On one backend, against a strategy an option chose, the refusal names the crosscheck.
+    chosen = _on_device(BASE, "cpu", "grad_and_value")
+    chosen["strategy_is_default"] = False
+    status, _, err = _diff(capsys, base, _write(tmp_path / "chosen.json", chosen))
+    assert status == 2
+    assert (
+        "['autograd'] in base (the run was a crosscheck: its tests received cpu's default, "
+        "autograd), ['grad_and_value'] in new (grad_and_value chosen for the run by "
+        "--gradref-strategy or its env/ini)" in err
+    )
+
+
+def test_simulated_against_real_shows_changes_without_calling_them_regressions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cuda = _on_device(BASE, "cuda", "autograd")
+    npu = _on_device(BASE, "npu", "grad_and_value")
+    npu["simulated"] = True
+    npu["tests"][0]["items"][1]["max_abs"] = 8e-6  # grew 4x on the simulated npu
+    base, new = _write(tmp_path / "base.json", cuda), _write(tmp_path / "new.json", npu)
+    status, out, _ = _diff(capsys, base, new)
+    assert status == 0
+    assert "device=npu:0 (simulated) backend=npu" in out
+    assert "note: new ran on a simulated device, the other on a real one: " in out
+    assert "0 regressions in 5 compared items" in out
+    assert (
+        "50.0% -> 50.0%   float32  t.py::test_a: gradient of argument 0 (x)  <- error grew 4x "
+        "(not counted: simulated vs real)" in out
+    )
+    # Two simulated reports gate as two real ones do.
+    cuda["simulated"] = True
+    status, out, _ = _diff(capsys, _write(tmp_path / "sim.json", cuda), new)
+    assert status == 1
+    assert "1 regression in 5 compared items" in out

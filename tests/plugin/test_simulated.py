@@ -373,3 +373,85 @@ def test_device_count_follows_ascend_visible_devices(monkeypatch: pytest.MonkeyP
     for visible, count in (("2,3", 2), ("3", 1), ("", 0), ("1,7,2", 1), ("0,1,2,3", 4)):
         monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", visible)
         assert simulated.device_count() == count, visible
+
+
+OTHER_LIBRARIES = """
+import pytest
+import torch
+import torch_npu
+import transformers
+from pytest_gradref.simulated import SimulatedDeviceError
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils import is_torch_npu_available
+
+
+def test_transformers_sees_an_npu_and_imports_its_npu_branch():
+    assert is_torch_npu_available() and is_torch_npu_available(check_device=True)
+    # Imported only where transformers sees an npu: `from torch_npu import npu_fusion_attention`.
+    from transformers.integrations import npu_flash_attention
+
+    with pytest.raises(SimulatedDeviceError, match="npu_fusion_attention is not simulated"):
+        npu_flash_attention.npu_fusion_attention(None)
+    with pytest.raises(AttributeError, match="has no attribute 'contrib'"):
+        torch_npu.contrib
+
+
+def test_a_transformers_model_trains_on_the_second_device():
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM(config).to("npu:1")
+    ids = torch.randint(0, 64, (2, 6)).to("npu:1")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.device == model.model.embed_tokens.weight.grad.device == torch.device("npu", 1)
+
+
+def test_cpu_indices_where_cuda_takes_them(gradref_device):
+    x = torch.arange(12.0, device=gradref_device).reshape(3, 4)
+    rows, mask = torch.tensor([0, 2]), torch.tensor([True, False, True])
+    assert x[rows].device == x[mask].device == gradref_device
+    assert x[rows, rows].cpu().tolist() == [0.0, 10.0]
+    x[rows] = 5.0
+    x.index_put_((rows,), torch.ones(2, 4, device=gradref_device), accumulate=True)
+    assert x.cpu()[:, 0].tolist() == [6.0, 4.0, 6.0]
+    # Where CUDA checks the index's device, the simulation refuses a CPU index too.
+    for refused in (
+        lambda: torch.index_select(x, 0, rows),
+        lambda: x.gather(0, torch.zeros(1, 4, dtype=torch.long)),
+        lambda: x.masked_fill(mask[:, None], 0.0),
+        lambda: x.index_put_((rows,), torch.ones(2, 4)),  # values on the CPU
+    ):
+        with pytest.raises(SimulatedDeviceError, match="same device"):
+            refused()
+
+
+def test_compiled_code_runs_eagerly(gradref_device):
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(lambda x: (x * 2).relu().sum())
+    for rows in range(1, 12):  # more shapes than Dynamo's recompile limit (8)
+        out = compiled(torch.randn(rows, 3, device=gradref_device))
+    assert out.device == gradref_device
+    # The frame was skipped once, as a whole, and the simulation's own code never traced.
+    assert counters["frames"]["total"] == 1
+    assert not any("simulated.py" in reason for reason in counters["unimplemented"])
+"""
+
+
+def test_other_libraries_live_with_the_simulation(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(OTHER_LIBRARIES)
+    result = pytester.runpytest_subprocess(*SIM)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: device=npu:0 (simulated on CPU; *) * | simulated: torch.compile runs "
+            "simulated tensors eagerly (Dynamo cannot trace them; fullgraph=True raises)"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*recompile_limit*")
