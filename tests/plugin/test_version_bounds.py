@@ -27,13 +27,23 @@ def _project() -> dict[str, Any]:
     return project
 
 
+def _oldest_python() -> str:
+    """The oldest Python that ``requires-python`` admits, e.g. "3.9"."""
+    return str(_project()["requires-python"]).removeprefix(">=")
+
+
 def _lower_bounds() -> dict[str, Version]:
-    """The `>=` bound of every runtime and test requirement that has one."""
+    """The `>=` bound of every runtime and test requirement that has one and that installs on
+    the oldest Python."""
     project = _project()
     requirements = [*project["dependencies"], *project["optional-dependencies"]["test"]]
     bounds: dict[str, Version] = {}
+    python = _oldest_python()
+    oldest = {"python_version": python, "python_full_version": f"{python}.0"}
     for line in requirements:
         requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate(oldest):
+            continue  # not installed on the oldest Python
         for spec in requirement.specifier:
             if spec.operator == ">=":
                 bounds[canonicalize_name(requirement.name)] = Version(spec.version)
