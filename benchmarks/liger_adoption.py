@@ -216,6 +216,7 @@ def run_once(
     where = subprocess.run(
         [sys.executable, "-c", "import pytest_gradref; print(pytest_gradref.__file__)"],
         env=env,
+        cwd=workdir,  # as the pytest run: the checkout's own directory must not shadow PYTHONPATH
         capture_output=True,
         text=True,
         check=True,
