@@ -148,9 +148,10 @@ class CheckPolicy:
 
 @dataclass(frozen=True)
 class ComputeDtype:
-    """The least precise floating dtype among the inputs differentiated (args[argnums] and a
-    module's parameters), and which input has it: every item is compared at a dtype at least
-    this coarse, since rounding there reaches every output (a bf16 kernel's float32 loss)."""
+    """The least precise floating dtype among the inputs (tensor arguments, differentiated or
+    not, and a module's parameters), and which input has it: every item is compared at a dtype
+    at least this coarse, since rounding there reaches every output (a bf16 kernel's float32
+    loss)."""
 
     dtype: torch.dtype
     source: str  # e.g. "argument 0 (x)" or "parameter 'lin.weight'"
@@ -196,8 +197,8 @@ class Reference:
         crosscheck: under the crosscheck strategy, the disagreement per item between
             autograd and grad_and_value; else None.
         golden: the same computed in a higher precision, when ``golden=`` was asked for.
-        compute: the least precise floating dtype among the inputs differentiated, which
-            every item's tolerance follows (None where no input is floating).
+        compute: the least precise floating dtype among the inputs, which every item's
+            tolerance follows (None where no input is floating).
     """
 
     value: torch.Tensor
@@ -825,11 +826,27 @@ def _select_params(
 
 
 def _compute_dtype(
-    labels: Sequence[str], diff_args: Sequence[torch.Tensor], module: torch.nn.Module | None
+    signature_source: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    module: torch.nn.Module | None,
 ) -> ComputeDtype | None:
-    """The least precise floating dtype among the inputs differentiated and the module's
-    parameters (checked or not: a frozen bf16 reference model rounds the loss too)."""
-    candidates = [(label.removeprefix("gradient of "), t) for label, t in zip(labels, diff_args)]
+    """The least precise floating dtype among the inputs that produce the result: every tensor
+    argument, differentiated or not (a bf16 teacher rounds the loss as a bf16 student does),
+    tensor keyword arguments, and the module's parameters (checked or not: a frozen bf16
+    reference model rounds the loss too)."""
+    import torch
+
+    positions = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+    labels = _argument_labels(signature_source, len(args), positions)
+    candidates = [
+        (label.removeprefix("gradient of "), args[i]) for label, i in zip(labels, positions)
+    ]
+    candidates += [
+        (f"keyword argument {name!r}", value)
+        for name, value in kwargs.items()
+        if isinstance(value, torch.Tensor)
+    ]
     if module is not None:
         candidates += [(f"parameter {n!r}", p) for n, p in module.named_parameters()]
     least: ComputeDtype | None = None
@@ -924,7 +941,7 @@ def compute_reference(
     signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
     labels = _argument_labels(signature_source, len(args), positions)
     compute = _compute_dtype(
-        labels, [args[i] for i in positions], fn if isinstance(fn, torch.nn.Module) else None
+        signature_source, args, kwargs, fn if isinstance(fn, torch.nn.Module) else None
     )
 
     primary: Strategy = default_strategy if strategy == "crosscheck" else strategy

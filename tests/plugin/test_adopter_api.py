@@ -129,13 +129,24 @@ def test_budget_floor_in_compute_steps(grad_reference):
     x, w = inputs()
     ref = grad_reference(kernel, x, w, argnums=(0, 1))
     ref.assert_close(reference(x, w), ref.grads)
+
+
+def distance(x, teacher):
+    return (x - teacher.float()).square().mean()
+
+
+def test_an_input_not_differentiated_counts_too(grad_reference):
+    gen = torch.Generator().manual_seed(1)
+    x, teacher = torch.randn(16, generator=gen), torch.randn(16, generator=gen).bfloat16()
+    ref = grad_reference(distance, x, teacher, argnums=0)
+    assert (ref.compute.dtype, ref.compute.source) == (torch.bfloat16, "argument 1 (teacher)")
 """
 
 
 def test_tolerance_follows_the_compute_dtype(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(COMPUTE_DTYPE)
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(
         [
             "E * 1 of 3 items differ",
