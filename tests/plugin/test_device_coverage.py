@@ -11,7 +11,13 @@ import json
 
 import pytest
 
+from pytest_gradref import simulated
+
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu")
+# Skipped, with the reason, where torch is too old for the simulation (CI's lower bounds).
+needs_simulation = pytest.mark.skipif(
+    simulated.unsupported_reason() is not None, reason=str(simulated.unsupported_reason())
+)
 
 MIXED = """
 import pytest
@@ -44,6 +50,7 @@ def test_no_torch():
 """
 
 
+@needs_simulation
 def test_under_xdist_the_summary_and_report_say_what_ran_where(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(MIXED)
     result = pytester.runpytest_subprocess("-n", "2", *SIM, "--gradref-report=report.json")
@@ -71,6 +78,7 @@ def test_under_xdist_the_summary_and_report_say_what_ran_where(pytester: pytest.
     ]
 
 
+@needs_simulation
 def test_strict_device_fails_a_run_that_lost_coverage(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

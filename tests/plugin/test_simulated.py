@@ -444,6 +444,7 @@ def test_compiled_code_runs_eagerly(gradref_device):
 """
 
 
+@needs_simulation
 def test_other_libraries_live_with_the_simulation(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(OTHER_LIBRARIES)
     result = pytester.runpytest_subprocess(*SIM)
