@@ -402,7 +402,8 @@ def _tolerance_check(
             # writing its mismatch message): the verdict and the detail come from the
             # float64 statistics instead.
             if math.isnan(used):
-                max_abs, max_rel, used = _astuple(_stats(actual, item.expected, tol))
+                stats = _stats(actual, item.expected, tol)
+                max_abs, max_rel, used = stats.max_abs, stats.max_rel, stats.used
             passed = used <= 1
             detail = (
                 ""
@@ -414,10 +415,6 @@ def _tolerance_check(
                 )
             )
     return ItemCheck(item.label, dtype, max_abs, max_rel, criterion, 1 - used, passed, detail)
-
-
-def _astuple(stats: _Stats) -> tuple[float, float, float]:
-    return stats.max_abs, stats.max_rel, stats.used
 
 
 def _budget_check(

@@ -1043,18 +1043,7 @@ class GradReference:
         in that dtype, for ``Reference.assert_close(..., budget=k)``.
         """
         __tracebackhide__ = True
-        return compute_reference(
-            fn,
-            args,
-            kwargs,
-            argnums=argnums,
-            has_aux=has_aux,
-            strategy=self.strategy,
-            default_strategy=self.default_strategy,
-            policy=self.policy,
-            params=params,
-            **self._golden(golden),
-        )
+        return self._compute(self.strategy, fn, args, kwargs, argnums, has_aux, golden, params)
 
     def kernel(
         self,
@@ -1079,26 +1068,38 @@ class GradReference:
         __tracebackhide__ = True
         if self.strategy == "crosscheck" and self.policy.recording is not None:
             self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
-        return compute_reference(
-            fn,
-            args,
-            kwargs,
-            argnums=argnums,
-            has_aux=has_aux,
-            strategy="autograd",
-            default_strategy=self.default_strategy,
-            policy=self.policy,
-            params=params,
-            **self._golden(golden),
-        )
+        return self._compute("autograd", fn, args, kwargs, argnums, has_aux, golden, params)
 
-    def _golden(self, golden: torch.dtype | None) -> dict[str, Any]:
-        """The golden arguments of compute_reference: the call's dtype or the marker's, on
-        the CPU where the backend cannot compute it."""
+    def _compute(
+        self,
+        strategy: StrategyChoice,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        argnums: Argnums,
+        has_aux: bool,
+        golden: torch.dtype | None,
+        params: ParamSelection,
+    ) -> Reference:
+        """compute_reference under this fixture's policy, with the call's golden dtype or the
+        marker's (on the CPU where the backend cannot compute it)."""
+        __tracebackhide__ = True
         import torch
 
         golden = golden if golden is not None else self.golden
         golden_device = None
         if golden is not None and dtype_name(golden) in self.golden_on_cpu:
             golden_device = torch.device("cpu")
-        return {"golden": golden, "golden_device": golden_device}
+        return compute_reference(
+            fn,
+            args,
+            kwargs,
+            argnums=argnums,
+            has_aux=has_aux,
+            strategy=strategy,
+            default_strategy=self.default_strategy,
+            policy=self.policy,
+            params=params,
+            golden=golden,
+            golden_device=golden_device,
+        )
