@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytest_gradref.backends import Backend, BackendRegistry, builtin_backend
     from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
-    from pytest_gradref.reference import (
-        Disagreement,
-        GradReference,
-        Reference,
-        compute_reference,
-    )
+    from pytest_gradref.computation import compute_reference
+    from pytest_gradref.fixture import GradReference
+    from pytest_gradref.recording import Disagreement
+    from pytest_gradref.reference import Reference
     from pytest_gradref.strategies import Strategy, StrategyChoice
     from pytest_gradref.warning_types import GoldenPrecisionWarning, GradrefWarning
 
@@ -43,16 +41,16 @@ _HOMES = {
     "DEFAULT_TOLERANCES": "compare",
     "Backend": "backends",
     "BackendRegistry": "backends",
-    "Disagreement": "reference",
+    "Disagreement": "recording",
     "GoldenPrecisionWarning": "warning_types",
-    "GradReference": "reference",
+    "GradReference": "fixture",
     "GradrefWarning": "warning_types",
     "Reference": "reference",
     "Strategy": "strategies",
     "StrategyChoice": "strategies",
     "Tolerance": "compare",
     "builtin_backend": "backends",
-    "compute_reference": "reference",
+    "compute_reference": "computation",
 }
 
 

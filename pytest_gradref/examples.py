@@ -1,7 +1,7 @@
 """Hypothesis examples: one test body run many times, each run one example.
 
 A ``@given`` test that takes ``grad_reference`` calls it and ``assert_close`` once per
-example; the report keeps one example's results (see ``reference.Recording``), so it needs to
+example; the report keeps one example's results (see ``recording.Recording``), so it needs to
 know where an example ends. Hypothesis is never imported here: a test that runs examples has
 imported it already.
 """

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from pytest_gradref.backends import Backend, BackendRegistry
-    from pytest_gradref.reference import GradReference
+    from pytest_gradref.fixture import GradReference
 
 FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
 
@@ -245,8 +245,10 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
 
     Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None, **kwargs)``.
     """
+    from pytest_gradref.fixture import GradReference
     from pytest_gradref.markers import parse_gradref_mark
-    from pytest_gradref.reference import CheckPolicy, GradReference, Recording
+    from pytest_gradref.policy import CheckPolicy
+    from pytest_gradref.recording import Recording
     from pytest_gradref.settings import BASELINE_OPTION, REPORT_OPTION
     from pytest_gradref.state import gradref_state, recording_key
 

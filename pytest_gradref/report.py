@@ -16,7 +16,7 @@ from pytest_gradref.settings import seed_for_test
 
 if TYPE_CHECKING:
     from pytest_gradref.device_coverage import DeviceCoverage
-    from pytest_gradref.reference import Recording
+    from pytest_gradref.recording import Recording
     from pytest_gradref.settings import Setup
 
 TIGHTEST_SHOWN = 10

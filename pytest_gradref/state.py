@@ -13,7 +13,7 @@ import pytest
 
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
-    from pytest_gradref.reference import Recording
+    from pytest_gradref.recording import Recording
     from pytest_gradref.settings import DeviceRequest, Setup
     from pytest_gradref.strategies import StrategyChoice
 

@@ -46,7 +46,16 @@ def test_the_traceback_shows_the_users_frames_only(pytester: pytest.Pytester, st
     result = pytester.runpytest("--gradref-device=cpu", f"--tb={style}")
     result.assert_outcomes(failed=4)
     output = result.stdout.str()
-    for module in ("reference.py", "compare.py", "plugin.py"):
+    plugin_modules = (
+        "fixture.py",
+        "computation.py",
+        "differentiation.py",
+        "golden.py",
+        "reference.py",
+        "compare.py",
+        "plugin.py",
+    )
+    for module in plugin_modules:
         assert f"pytest_gradref/{module}" not in output, module
     # Each failure's last frame is the user's line: the source line right above the error
     # (Python's ^^^ position markers aside).

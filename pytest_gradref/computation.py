@@ -1,0 +1,316 @@
+"""How a reference is computed: ``compute_reference`` and the checks of what it is given.
+
+It validates fn and its arguments (argnums, a module's parameters chosen with ``params=``),
+names each gradient after fn's signature, finds the compute dtype, runs the strategy
+(differentiation.py), under crosscheck both strategies and their disagreement per item, and
+with ``golden=`` the golden (golden.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from pytest_gradref.compare import difference, dtype_name, epsilon, is_inexact
+from pytest_gradref.differentiation import STRATEGY_FUNCTIONS, Problem, describe
+from pytest_gradref.golden import (
+    Golden,
+    check_golden_dtype,
+    check_golden_obtained,
+    golden_problem,
+    obtained_dtype,
+)
+from pytest_gradref.policy import CheckPolicy, ComputeDtype
+from pytest_gradref.recording import Disagreement
+from pytest_gradref.reference import Reference
+from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
+
+if TYPE_CHECKING:
+    import torch
+
+Argnums = Union[int, Sequence[int]]
+# Which of a module's parameters a reference differentiates and checks: names, or a predicate
+# of (name, parameter); None: those that require grad.
+ParamSelection = Union[str, Sequence[str], Callable[[str, "torch.nn.Parameter"], bool], None]
+
+
+def compute_reference(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    argnums: Argnums,
+    has_aux: bool,
+    strategy: StrategyChoice,
+    default_strategy: Strategy,
+    policy: CheckPolicy,
+    golden: torch.dtype | None = None,
+    golden_device: torch.device | None = None,
+    params: ParamSelection = None,
+) -> Reference:
+    """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
+
+    Under ``crosscheck`` both strategies run, ``default_strategy``'s result is returned and
+    the disagreement per item is recorded on ``Reference.crosscheck``. With ``golden`` the
+    primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
+    given, else where the inputs are); a golden that fn returns less precise than that is
+    warned of (GoldenPrecisionWarning). ``params`` chooses a module's parameters
+    differentiated and checked (names, or a predicate of name and parameter); by default
+    those that require grad.
+    """
+    __tracebackhide__ = True
+    import torch
+
+    if strategy not in STRATEGY_CHOICES:
+        raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
+    if not callable(fn):
+        raise TypeError(f"grad_reference needs a callable or nn.Module first, got {fn!r}")
+    is_module = isinstance(fn, torch.nn.Module)
+    args = tuple(args)
+    positions = normalize_argnums(fn, args, argnums, is_module=is_module)
+    if golden is not None:
+        check_golden_dtype(golden, args)
+    selected: dict[str, torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    if isinstance(fn, torch.nn.Module):
+        selected, frozen = _select_params(fn, params)
+        buffers = {name: buffer.detach() for name, buffer in fn.named_buffers()}
+    elif params is not None:
+        raise TypeError(
+            f"params= chooses an nn.Module's parameters, and {describe(fn)} is not a module"
+        )
+    problem = Problem(fn, args, dict(kwargs), positions, has_aux, selected, frozen, buffers)
+    signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    labels = _argument_labels(signature_source, len(args), positions)
+    compute = _compute_dtype(
+        signature_source, args, kwargs, fn if isinstance(fn, torch.nn.Module) else None
+    )
+
+    primary: Strategy = default_strategy if strategy == "crosscheck" else strategy
+    result = STRATEGY_FUNCTIONS[primary](problem)
+    crosscheck = None
+    if strategy == "crosscheck":
+        other_strategy = next(s for s in STRATEGIES if s != primary)
+        other = STRATEGY_FUNCTIONS[other_strategy](problem)
+        pairs = [("value", result.value, other.value)]
+        pairs += zip(labels, result.arg_grads, other.arg_grads)
+        pairs += [
+            (f"gradient of parameter {name!r}", grad, other.param_grads[name])
+            for name, grad in result.param_grads.items()
+        ]
+        crosscheck = tuple(
+            _disagreement(*pair, policy, compute, primary, other_strategy) for pair in pairs
+        )
+    if policy.recording is not None:
+        policy.recording.add_reference(primary, crosscheck or ())
+
+    golden_result = None
+    if golden is not None:
+        upcast = golden_problem(problem, golden, golden_device)
+        computed = STRATEGY_FUNCTIONS[primary](upcast)
+        obtained = obtained_dtype(computed.value, computed.aux)
+        check_golden_obtained(fn, golden, obtained, policy)
+        golden_result = Golden(
+            dtype=golden,
+            device=computed.value.device,
+            value=computed.value,
+            arg_grads=computed.arg_grads,
+            param_grads=computed.param_grads,
+            aux=computed.aux,
+            obtained=obtained,
+        )
+
+    grads: torch.Tensor | tuple[torch.Tensor, ...] = result.arg_grads
+    if isinstance(argnums, int):
+        grads = result.arg_grads[0]
+    return Reference(
+        value=result.value,
+        grads=grads,
+        param_grads=result.param_grads,
+        aux=result.aux,
+        strategy=primary,
+        backend=policy.backend,
+        crosscheck=crosscheck,
+        golden=golden_result,
+        grad_labels=tuple(labels),
+        policy=policy,
+        compute=compute,
+    )
+
+
+def normalize_argnums(
+    fn: Callable[..., Any], args: Sequence[Any], argnums: Argnums, *, is_module: bool
+) -> tuple[int, ...]:
+    """Validated, non-negative argnums; raises a TypeError/ValueError that names the fault."""
+    __tracebackhide__ = True
+    import torch
+
+    if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
+        raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+    raw = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not raw and not is_module:
+        raise ValueError(
+            f"argnums=() asks for no gradients; name at least one tensor argument of {describe(fn)}"
+        )
+    count = len(args)
+    normalized: list[int] = []
+    for index in raw:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"argnums entries must be ints, got {index!r}")
+        if not -count <= index < count:
+            raise ValueError(
+                f"argnums={index} is out of range: {describe(fn)} was given {count} "
+                f"positional argument(s), so valid indices are 0..{count - 1} (or negative)"
+            )
+        position = index % count
+        if position in normalized:
+            raise ValueError(f"argnums names argument {position} twice")
+        arg = args[position]
+        if not isinstance(arg, torch.Tensor):
+            raise TypeError(
+                f"argnums={index} points at argument {position}, a {type(arg).__name__}; "
+                "gradients need a floating-point torch.Tensor there"
+            )
+        if not (arg.is_floating_point() or arg.is_complex()):
+            raise TypeError(
+                f"argnums={index} points at argument {position}, a {arg.dtype} tensor; "
+                "only floating-point and complex tensors have gradients, so leave it out "
+                "of argnums"
+                + (
+                    " (argnums=() asks for the module's parameter gradients alone)"
+                    if is_module
+                    else ""
+                )
+            )
+        normalized.append(position)
+    return tuple(normalized)
+
+
+def _argument_labels(fn: Callable[..., Any], count: int, argnums: tuple[int, ...]) -> list[str]:
+    """'gradient of argument 1 (weight)', naming parameters where the signature allows."""
+    names: list[str | None] = [None] * count
+    positional = _positional_names(fn)
+    for i in range(min(count, len(positional))):
+        names[i] = positional[i]
+    labels = []
+    for i in argnums:
+        suffix = f" ({names[i]})" if names[i] else ""
+        labels.append(f"gradient of argument {i}{suffix}")
+    return labels
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    """The names of fn's positional parameters (empty where it has no signature)."""
+    if (
+        inspect.isfunction(fn)
+        and not hasattr(fn, "__wrapped__")
+        and not hasattr(fn, "__signature__")
+    ):
+        # A plain function's are its code's first arguments: what inspect.signature reports,
+        # at a fraction of its cost, which counts once per test.
+        code = fn.__code__
+        return list(code.co_varnames[: code.co_argcount])
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+
+
+def _select_params(
+    module: torch.nn.Module, params: ParamSelection
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The module's parameters split into those differentiated and checked, and the others."""
+    __tracebackhide__ = True
+    named = dict(module.named_parameters())
+    if params is None:
+        chosen = {name for name, p in named.items() if p.requires_grad}
+    elif callable(params):
+        chosen = {name for name, p in named.items() if params(name, p)}
+    else:
+        names = [params] if isinstance(params, str) else list(params)
+        unknown = [name for name in names if name not in named]
+        if unknown or not all(isinstance(name, str) for name in names):
+            raise ValueError(
+                f"params= names {', '.join(map(repr, unknown or names))}, not parameters of "
+                f"{describe(module)}; its parameters are {', '.join(named) or 'none'}"
+            )
+        chosen = set(names)
+    selected: dict[str, torch.Tensor] = {n: p for n, p in named.items() if n in chosen}
+    others = {name: p.detach() for name, p in named.items() if name not in chosen}
+    return selected, others
+
+
+def _compute_dtype(
+    signature_source: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    module: torch.nn.Module | None,
+) -> ComputeDtype | None:
+    """The least precise floating dtype among the inputs that produce the result: every tensor
+    argument, differentiated or not (a bf16 teacher rounds the loss as a bf16 student does),
+    tensor keyword arguments, and the module's parameters (checked or not: a frozen bf16
+    reference model rounds the loss too)."""
+    import torch
+
+    positions = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+    labels = _argument_labels(signature_source, len(args), positions)
+    candidates = [
+        (label.removeprefix("gradient of "), args[i]) for label, i in zip(labels, positions)
+    ]
+    candidates += [
+        (f"keyword argument {name!r}", value)
+        for name, value in kwargs.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    if module is not None:
+        candidates += [(f"parameter {n!r}", p) for n, p in module.named_parameters()]
+    least: ComputeDtype | None = None
+    for source, tensor in candidates:
+        dtype = tensor.dtype
+        if is_inexact(dtype) and (least is None or epsilon(dtype) > epsilon(least.dtype)):
+            least = ComputeDtype(dtype, source)
+    return least
+
+
+def _disagreement(
+    label: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    policy: CheckPolicy,
+    compute: ComputeDtype | None,
+    received: Strategy,
+    checked_against: Strategy,
+) -> Disagreement:
+    """How far ``a`` (received) and ``b`` (checked against) differ, as assert_close measures
+    a difference (equal infinities differ by 0), judged by the tolerance assert_close gives
+    the item."""
+    import torch
+
+    diff, magnitude = difference(a, b)
+    dtype, why = compute.tolerance_dtype(a.dtype) if compute is not None else (a.dtype, "")
+    resolved = policy.tolerance(dtype, why_dtype=why)
+    tol = resolved.tolerance
+    if diff.numel() == 0:
+        return Disagreement(
+            label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source, received, checked_against
+        )
+    relative = torch.where(diff == 0, 0.0, diff / magnitude)
+    exceeds = not bool(torch.isclose(a.double(), b.double(), rtol=tol.rtol, atol=tol.atol).all())
+    criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
+    return Disagreement(
+        label,
+        dtype_name(a.dtype),
+        float(diff.max()),
+        float(relative.max()),
+        exceeds,
+        criterion,
+        received,
+        checked_against,
+    )

@@ -1,0 +1,129 @@
+"""The object the ``grad_reference`` fixture hands a test: ``GradReference``.
+
+It computes references under the test's policy (strategy, tolerances, golden dtype, where the
+golden is computed); plugin.py builds it from the session's setup and the test's marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gradref.compare import dtype_name
+from pytest_gradref.computation import Argnums, ParamSelection, compute_reference
+from pytest_gradref.policy import CheckPolicy
+from pytest_gradref.reference import Reference
+from pytest_gradref.strategies import Strategy, StrategyChoice
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class GradReference:
+    """The ``grad_reference`` fixture: computes references under the test's policy.
+
+    ``golden`` is the test's default golden dtype (from its marker); ``golden_on_cpu`` names
+    the dtypes the backend cannot compute on its device, whose goldens go to the CPU.
+    """
+
+    strategy: StrategyChoice
+    default_strategy: Strategy
+    policy: CheckPolicy
+    golden: torch.dtype | None = None
+    golden_on_cpu: frozenset[str] = frozenset()
+
+    def __repr__(self) -> str:
+        # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
+        # failing test's locals), and the policy's tables and recording run to dozens of lines.
+        fields = f"backend={self.policy.backend!r}, strategy={self.strategy!r}"
+        if self.golden is not None:
+            fields += f", golden={self.golden}"
+        return f"GradReference({fields})"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        # IPython's pretty-printing protocol, which Hypothesis' falsifying-example printer
+        # follows; without it that printer lists a dataclass's fields instead of its repr.
+        printer.text(repr(self))
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        argnums: Argnums = 0,
+        has_aux: bool = False,
+        golden: torch.dtype | None = None,
+        params: ParamSelection = None,
+        **kwargs: Any,
+    ) -> Reference:
+        """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
+
+        fn may be an nn.Module: then gradients w.r.t. its parameters come too, in
+        ``Reference.param_grads``: those that require grad, or those ``params`` names (a
+        name, a list of names, or a predicate ``(name, parameter) -> bool``); ``argnums=()``
+        asks for those alone. With ``golden=torch.float64`` the reference is also computed
+        in that dtype, for ``Reference.assert_close(..., budget=k)``.
+        """
+        __tracebackhide__ = True
+        return self._compute(self.strategy, fn, args, kwargs, argnums, has_aux, golden, params)
+
+    def kernel(
+        self,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        argnums: Argnums = 0,
+        has_aux: bool = False,
+        golden: torch.dtype | None = None,
+        params: ParamSelection = None,
+        **kwargs: Any,
+    ) -> Reference:
+        """Like calling the fixture, for a reference that is itself a kernel: another
+        implementation with its own backward (an ``autograd.Function``), to compare two
+        kernels where neither is a plain reference.
+
+        It is computed by autograd on every backend, whatever the strategy in force: the
+        kernel's backward computes its gradients either way, and ``grad_and_value`` cannot
+        run a Function without ``setup_context``. Under ``--gradref-strategy=crosscheck``
+        there is nothing to crosscheck; the test is counted in the summary as opted out.
+        """
+        __tracebackhide__ = True
+        if self.strategy == "crosscheck" and self.policy.recording is not None:
+            self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
+        return self._compute("autograd", fn, args, kwargs, argnums, has_aux, golden, params)
+
+    def _compute(
+        self,
+        strategy: StrategyChoice,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        argnums: Argnums,
+        has_aux: bool,
+        golden: torch.dtype | None,
+        params: ParamSelection,
+    ) -> Reference:
+        """compute_reference under this fixture's policy, with the call's golden dtype or the
+        marker's (on the CPU where the backend cannot compute it)."""
+        __tracebackhide__ = True
+        import torch
+
+        golden = golden if golden is not None else self.golden
+        golden_device = None
+        if golden is not None and dtype_name(golden) in self.golden_on_cpu:
+            golden_device = torch.device("cpu")
+        return compute_reference(
+            fn,
+            args,
+            kwargs,
+            argnums=argnums,
+            has_aux=has_aux,
+            strategy=strategy,
+            default_strategy=self.default_strategy,
+            policy=self.policy,
+            params=params,
+            golden=golden,
+            golden_device=golden_device,
+        )

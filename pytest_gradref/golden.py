@@ -1,0 +1,123 @@
+"""The golden reference: the same reference computed in a higher precision, for budgets.
+
+What a golden dtype may be, the problem with its inputs upcast to it, and the warning where
+fn returns a golden less precise than requested (it casts inside).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_gradref.compare import dtype_name, epsilon, is_inexact, less_precise
+from pytest_gradref.differentiation import Problem, describe
+from pytest_gradref.policy import CheckPolicy
+from pytest_gradref.warning_types import GoldenPrecisionWarning
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Golden:
+    """The same reference computed in a higher precision."""
+
+    dtype: torch.dtype
+    device: torch.device
+    value: torch.Tensor
+    arg_grads: tuple[torch.Tensor, ...]
+    param_grads: Mapping[str, torch.Tensor]
+    aux: Any = None
+    # The least precise floating dtype fn returned (value and aux): less precise than
+    # ``dtype`` where fn casts inside, e.g. with .float().
+    obtained: torch.dtype | None = None
+
+
+def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:
+    """value with floating tensors cast to dtype (and every tensor moved to device)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if device is not None:
+            tensor = tensor.to(device)
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if isinstance(value, list):
+        return [_upcast(v, dtype, device) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_upcast(v, dtype, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _upcast(v, dtype, device) for k, v in value.items()}
+    return value
+
+
+def golden_problem(problem: Problem, dtype: torch.dtype, device: torch.device | None) -> Problem:
+    """problem with its floating inputs (arguments, parameters, buffers) cast to dtype."""
+
+    def cast(value: Any) -> Any:
+        return _upcast(value, dtype, device)
+
+    return Problem(
+        fn=problem.fn,
+        args=cast(problem.args),
+        kwargs=cast(problem.kwargs),
+        argnums=problem.argnums,
+        has_aux=problem.has_aux,
+        params=cast(problem.params),
+        frozen=cast(problem.frozen),
+        buffers=cast(problem.buffers),
+    )
+
+
+def check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
+    """Refuse a golden that is no floating dtype or is less precise than an argument."""
+    __tracebackhide__ = True
+    import torch
+
+    if not isinstance(golden, torch.dtype) or not golden.is_floating_point:
+        raise TypeError(
+            f"golden must be a floating torch.dtype such as torch.float64, got {golden!r}"
+        )
+    for position, arg in enumerate(args):
+        floating = isinstance(arg, torch.Tensor) and arg.is_floating_point()
+        if floating and epsilon(arg.dtype) < epsilon(golden):
+            raise ValueError(
+                f"golden={golden} is less precise than argument {position} "
+                f"({arg.dtype}); a golden reference needs a more precise dtype"
+            )
+
+
+def obtained_dtype(value: torch.Tensor, aux: Any) -> torch.dtype:
+    """The least precise floating dtype among a result's value and aux tensors."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    least = value.dtype
+    for leaf in tree_leaves(aux):
+        if isinstance(leaf, torch.Tensor) and is_inexact(leaf.dtype):
+            least = less_precise(least, leaf.dtype)
+    return least
+
+
+def check_golden_obtained(
+    fn: Callable[..., Any], requested: torch.dtype, obtained: torch.dtype, policy: CheckPolicy
+) -> None:
+    """Warn, once per test, where fn returned a golden less precise than requested."""
+    if epsilon(obtained) <= epsilon(requested):
+        return
+    recording = policy.recording
+    if recording is not None:
+        if recording.golden_shortfall is not None:
+            return
+        recording.golden_shortfall = (dtype_name(requested), dtype_name(obtained))
+    warnings.warn(
+        GoldenPrecisionWarning(
+            f"golden={requested} was requested, but {describe(fn)} returned {obtained}: it "
+            f"casts inside (e.g. .float()), so the golden is only {dtype_name(obtained)}-"
+            "precise and budgets are measured against that. Compute in at least the inputs' "
+            "dtype, e.g. x.to(torch.promote_types(x.dtype, torch.float32)) for .float()"
+        ),
+        stacklevel=4,  # the test's line: here, compute_reference, GradReference, the test
+    )
