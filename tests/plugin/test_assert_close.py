@@ -8,8 +8,15 @@ import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_gradref.compare import ResolvedTolerance, Tolerance, ToleranceItem, check_items
+from pytest_gradref.compare import (
+    BudgetItem,
+    ResolvedTolerance,
+    Tolerance,
+    ToleranceItem,
+    check_items,
+)
 
 FAILURES = """
 import pytest
@@ -443,3 +450,54 @@ def test_verdicts_with_statistics_are_torch_testings(
         for statistics in (True, False):
             assert check_items([item], statistics=statistics)[0].passed is truth, (a, e)
     assert len(agreeing) > 20
+
+
+class _OperatorCount(TorchDispatchMode):
+    """Counts the operators dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# The operators three passing items take (a scalar loss and two gradients), as the README
+# states them, per torch release they were counted on: older releases decompose some of the
+# same calls into more operators.
+OPERATOR_COUNTS = {
+    (2, 13): {"statistics": 73, "verdict": 61, "budget": 85},
+    (2, 6): {"statistics": 85, "verdict": 67, "budget": 97},
+}
+
+
+@pytest.mark.parametrize("mode", ["statistics", "verdict", "budget"])
+def test_operators_dispatched_by_three_items(mode: str) -> None:
+    """A guard on the comparison's cost, counted rather than timed: a change that adds a pass
+    over the items fails it on every machine."""
+    counts = OPERATOR_COUNTS.get(tuple(int(p) for p in torch.__version__.split(".")[:2]))
+    if counts is None:
+        pytest.skip(f"operator counts are recorded for torch {sorted(OPERATOR_COUNTS)} only")
+    gen = torch.Generator().manual_seed(0)
+    expected = [torch.randn(shape, generator=gen) for shape in [(), (64, 128), (256, 128)]]
+    actual = [e + 1e-7 * torch.randn(e.shape, generator=gen) for e in expected]
+    resolved = ResolvedTolerance(Tolerance(rtol=1.3e-6, atol=1e-5), "the test")
+    items: list[ToleranceItem] | list[BudgetItem]
+    if mode == "budget":
+        items = [
+            BudgetItem(f"item {i}", a, e, e.double(), budget=2.0)
+            for i, (a, e) in enumerate(zip(actual, expected))
+        ]
+    else:
+        items = [
+            ToleranceItem(f"item {i}", a, e, resolved)
+            for i, (a, e) in enumerate(zip(actual, expected))
+        ]
+    statistics = mode != "verdict"
+    check_items(items, statistics=statistics)  # torch's first-use work is not counted
+    with _OperatorCount() as counter:
+        checks = check_items(items, statistics=statistics)
+    assert all(check.passed for check in checks)
+    assert counter.count <= counts[mode]
