@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gradref.compare import dtype_name, epsilon, is_inexact, less_precise
 from pytest_gradref.differentiation import Problem, describe
 from pytest_gradref.policy import CheckPolicy
-from pytest_gradref.warning_types import GoldenPrecisionWarning
+from pytest_gradref.warning_types import GoldenPrecisionWarning, user_stacklevel
 
 if TYPE_CHECKING:
     import torch
@@ -119,5 +119,5 @@ def check_golden_obtained(
             "precise and budgets are measured against that. Compute in at least the inputs' "
             "dtype, e.g. x.to(torch.promote_types(x.dtype, torch.float32)) for .float()"
         ),
-        stacklevel=4,  # the test's line: here, compute_reference, GradReference, the test
+        stacklevel=user_stacklevel(),
     )
