@@ -87,7 +87,8 @@ class GradReference:
         It is computed by autograd on every backend, whatever the strategy in force: the
         kernel's backward computes its gradients either way, and ``grad_and_value`` cannot
         run a Function without ``setup_context``. Under ``--gradref-strategy=crosscheck``
-        there is nothing to crosscheck; the test is counted in the summary as opted out.
+        there is nothing to crosscheck in it: the summary counts the test as opted out, or as
+        crosschecked in part where it also computes a crosschecked reference.
         """
         __tracebackhide__ = True
         if self.strategy == "crosscheck" and self.policy.recording is not None:

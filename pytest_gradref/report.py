@@ -34,6 +34,11 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _short(value: Any) -> str:
+    """A measure for the summary: three digits, or as the record holds it ("nan", "inf")."""
+    return f"{value:.3g}" if isinstance(value, (int, float)) else str(value)
+
+
 def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     """A flat dataclass instance's fields as a dict (vars: asdict's deep copy costs a test
     more than its comparison)."""
@@ -59,6 +64,8 @@ def record_for_test(
         # Why a crosscheck session did not crosscheck this test (None where it did, or
         # outside crosscheck).
         "crosscheck_opt_out": recording.crosscheck_opt_out,
+        # The aux items that assert_close(aux=UNCHECKED) left uncompared, by label.
+        "aux_unchecked": list(recording.aux_unchecked),
         # The golden dtype requested and the one fn returned, where fn cast it down.
         "golden_obtained": (
             None
@@ -151,7 +158,8 @@ class ReportCollector:
 
     def summary_lines(self, verbose: bool) -> list[str]:
         """Under crosscheck, which strategy the tests received and which it was checked
-        against, and every disagreement beyond tolerance; the tightest items (with -v, or
+        against, the tests not crosschecked (wholly or in part) and every disagreement beyond
+        tolerance; with -v the aux items left unchecked; the tightest items (with -v, or
         whenever there is such a disagreement, to show how much room the tests had)."""
         lines = []
         checked = [(record["nodeid"], d) for record in self.records for d in record["crosscheck"]]
@@ -165,26 +173,45 @@ class ReportCollector:
                 f"crosscheck: {count} items received {received} results, checked against "
                 f"{against}; {beyond} {'differs' if beyond == 1 else 'differ'} beyond tolerance"
             )
-        reasons: dict[str, int] = {}
+        # A test opted out when none of its references was crosschecked; one that also has
+        # crosschecked references (a kernel reference beside a plain one) only in part.
+        opted_out: dict[str, int] = {}
+        in_part: dict[str, int] = {}
         for record in self.records:
             reason = record.get("crosscheck_opt_out")
             if reason:
-                reasons[reason] = reasons.get(reason, 0) + 1
-        if reasons:
-            total = sum(reasons.values())
-            lines.append(
-                f"crosscheck: {total} {'test' if total == 1 else 'tests'} opted out, not "
-                "crosschecked: "
-                + "; ".join(f"{count} by {reason}" for reason, count in sorted(reasons.items()))
-            )
+                tests = in_part if record["crosscheck"] else opted_out
+                tests[reason] = tests.get(reason, 0) + 1
+        for by_reason, what in (
+            (opted_out, "opted out, not crosschecked"),
+            (in_part, "crosschecked in part, some references not"),
+        ):
+            if by_reason:
+                total = sum(by_reason.values())
+                lines.append(
+                    f"crosscheck: {total} {'test' if total == 1 else 'tests'} {what}: "
+                    + "; ".join(f"{n} by {reason}" for reason, n in sorted(by_reason.items()))
+                )
         exceeding = [(nodeid, d) for nodeid, d in checked if d["exceeds_tolerance"]]
         if exceeding:
             lines.append("autograd and grad_and_value disagree beyond tolerance:")
             for nodeid, d in exceeding:
                 lines.append(
-                    f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {d['max_abs']:.3g} "
-                    f"(relative {d['max_rel']:.3g}) between {d['received']} (received) and "
+                    f"  {nodeid}: {d['label']} ({d['dtype']}) differs by {_short(d['max_abs'])} "
+                    f"(relative {_short(d['max_rel'])}) between {d['received']} (received) and "
                     f"{d['checked_against']} (checked against); tolerance {d['tolerance']}"
+                )
+        unchecked = [record for record in self.records if record.get("aux_unchecked")]
+        if verbose and unchecked:
+            lines.append(
+                f"aux left unchecked (assert_close(aux=pytest_gradref.UNCHECKED)) in "
+                f"{len(unchecked)} {'test' if len(unchecked) == 1 else 'tests'}:"
+            )
+            for record in unchecked[:TIGHTEST_SHOWN]:
+                lines.append(f"  {record['nodeid']}: {', '.join(record['aux_unchecked'])}")
+            if len(unchecked) > TIGHTEST_SHOWN:
+                lines.append(
+                    f"  and {len(unchecked) - TIGHTEST_SHOWN} more (the report's aux_unchecked)"
                 )
         if verbose or exceeding:
             items = [
