@@ -2,16 +2,18 @@
 
 It validates fn and its arguments (argnums, a module's parameters chosen with ``params=``),
 names each gradient after fn's signature, finds the compute dtype, runs the strategy
-(differentiation.py), under crosscheck both strategies and their disagreement per item, and
-with ``golden=`` the golden (golden.py).
+(differentiation.py), under crosscheck both strategies and their disagreement per item (the
+aux's leaves among them), and with ``golden=`` the golden (golden.py).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
+from pytest_gradref.auxiliary import leaf_tensor, pair_aux
 from pytest_gradref.compare import difference, dtype_name, epsilon, is_inexact
 from pytest_gradref.differentiation import STRATEGY_FUNCTIONS, Problem, describe
 from pytest_gradref.golden import (
@@ -102,7 +104,7 @@ def compute_reference(
         ]
         crosscheck = tuple(
             _disagreement(*pair, policy, compute, primary, other_strategy) for pair in pairs
-        )
+        ) + _aux_disagreements(result.aux, other.aux, policy, compute, primary, other_strategy)
     if policy.recording is not None:
         policy.recording.add_reference(primary, crosscheck or ())
 
@@ -314,3 +316,44 @@ def _disagreement(
         received,
         checked_against,
     )
+
+
+def _aux_disagreements(
+    received_aux: Any,
+    other_aux: Any,
+    policy: CheckPolicy,
+    compute: ComputeDtype | None,
+    received: Strategy,
+    checked_against: Strategy,
+) -> tuple[Disagreement, ...]:
+    """The aux's leaves under the two strategies, labelled as assert_close labels them: tensors
+    and numbers measured as the other items are; other values, and places where the two
+    differ in structure or shape, agree only when equal (no measure: NaN). No aux under
+    either (has_aux=False) has no items."""
+    if received_aux is None and other_aux is None:
+        return ()
+    found = []
+    for leaf in pair_aux(other_aux, received_aux, None):
+        a = leaf_tensor(leaf.expected, None)  # the received strategy's
+        b = leaf_tensor(leaf.actual, None if a is None else a.device)
+        if leaf.problem is None and a is not None and b is not None and a.shape == b.shape:
+            found.append(
+                _disagreement(leaf.label, a, b, policy, compute, received, checked_against)
+            )
+            continue
+        if leaf.problem is not None:
+            dtype, agree = "-", False
+            criterion = f"the same structure ({leaf.problem}; the actual: {checked_against}'s aux)"
+        elif a is not None and b is not None:
+            shapes = f"{tuple(a.shape)} received, {tuple(b.shape)} checked against"
+            dtype, agree, criterion = dtype_name(a.dtype), False, f"the same shape ({shapes})"
+        else:
+            dtype, criterion = type(leaf.expected).__name__, "equality"
+            agree = type(leaf.actual) is type(leaf.expected) and bool(leaf.actual == leaf.expected)
+        measure = 0.0 if agree else math.nan
+        found.append(
+            Disagreement(
+                leaf.label, dtype, measure, measure, not agree, criterion, received, checked_against
+            )
+        )
+    return tuple(found)
