@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pytest_gradref.auxiliary import UNCHECKED
     from pytest_gradref.backends import Backend, BackendRegistry, builtin_backend
     from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
     from pytest_gradref.computation import compute_reference
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_TOLERANCES",
+    "UNCHECKED",
     "Backend",
     "BackendRegistry",
     "Disagreement",
@@ -39,6 +41,7 @@ __all__ = [
 # Where each public name lives.
 _HOMES = {
     "DEFAULT_TOLERANCES": "compare",
+    "UNCHECKED": "auxiliary",
     "Backend": "backends",
     "BackendRegistry": "backends",
     "Disagreement": "recording",

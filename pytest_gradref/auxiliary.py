@@ -6,17 +6,40 @@ Python's own indexing syntax (``aux['chosen_rewards']``, ``aux[2]``, ``aux['logp
 failure names the item as a test would reach it. Where the two structures differ (a missing
 key, a shorter tuple) the pair is a ``problem`` leaf, reported as a failed item beside the
 others rather than stopping the comparison.
+
+``UNCHECKED`` is what a test passes as ``assert_close(aux=...)`` to leave a reference's aux
+uncompared on purpose: leaving ``aux=`` out is an error, so that an aux is never skipped by
+oversight.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Final, Union
+
+if TYPE_CHECKING:
+    import torch
 
 # The key of an aux tolerance: the top-level key or index of the aux, which covers every
 # item beneath it, or an item's full label such as "aux['logps'][0]".
 AuxKey = Union[str, int]
+
+
+class Unchecked(enum.Enum):
+    """The type of ``UNCHECKED``: one member, so that it stays a singleton when copied or
+    pickled (as a test's arguments are under xdist)."""
+
+    UNCHECKED = "UNCHECKED"
+
+    def __repr__(self) -> str:
+        return "pytest_gradref.UNCHECKED"
+
+
+# assert_close(aux=UNCHECKED): the reference's aux is deliberately not compared; the report
+# records its items as unchecked.
+UNCHECKED: Final = Unchecked.UNCHECKED
 
 
 @dataclass(frozen=True)
@@ -95,3 +118,16 @@ def _walk(
             _walk(f"{label}[{index}]", child_top, a, e, _child(golden, index), out)
         return
     out.append(AuxLeaf(label, top, actual, expected, golden))
+
+
+def leaf_tensor(value: Any, device: torch.device | None) -> torch.Tensor | None:
+    """An aux leaf as a tensor: itself, or a Python number as a 0-dim tensor (a float as
+    float64, its precision) on ``device``; None for anything else."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (bool, int, float, complex)):
+        dtype = torch.float64 if isinstance(value, float) and not isinstance(value, bool) else None
+        return torch.tensor(value, dtype=dtype, device=device)
+    return None

@@ -7,7 +7,7 @@ test's record keeps its tightest example. ``Disagreement`` is one crosscheck mea
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pytest_gradref.compare import ItemCheck
@@ -52,6 +52,8 @@ class Recording:
     # dtype requested and obtained where fn returned a less precise one.
     crosscheck_opt_out: str | None = None
     golden_shortfall: tuple[str, str] | None = None
+    # Per test: the aux items an assert_close(aux=UNCHECKED) left uncompared, by label.
+    aux_unchecked: list[str] = field(default_factory=list)
     # The worst finished example while another one runs; None outside an example.
     _kept: tuple[list[ItemCheck], list[Disagreement], list[str]] | None = None
 
@@ -63,6 +65,9 @@ class Recording:
         self._enter_example()
         self.strategies.append(strategy)
         self.disagreements.extend(disagreements)
+
+    def add_unchecked_aux(self, labels: Iterable[str]) -> None:
+        self.aux_unchecked.extend(label for label in labels if label not in self.aux_unchecked)
 
     def _enter_example(self) -> None:
         from pytest_gradref.examples import call_at_example_end

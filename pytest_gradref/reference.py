@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-from pytest_gradref.auxiliary import AuxKey, pair_aux
+from pytest_gradref.auxiliary import UNCHECKED, AuxKey, leaf_tensor, pair_aux
 from pytest_gradref.compare import (
     MISSING_HINT,
     BudgetItem,
@@ -94,12 +94,15 @@ class Reference:
         kernel's auxiliary output) is compared leaf by leaf with the same rules; an entry of
         ``aux_tolerances``, keyed by a top-level key or index of the aux or by an item's
         label (``"aux['logps'][0]"``), gives those items a tolerance of their own, which
-        wins over the marker, the arguments here and a budget. Every item is checked before
-        failing, and the message names each one that differs.
+        wins over the marker, the arguments here and a budget. A reference with an aux needs
+        ``aux=``: the kernel's aux, or ``pytest_gradref.UNCHECKED`` to leave it uncompared on
+        purpose (recorded in the report). Every item is checked before failing, and the
+        message names each one that differs.
 
         Raises:
             AssertionError: an item differs beyond its tolerance or budget.
-            TypeError, ValueError: the arguments do not line up with the reference.
+            TypeError, ValueError: the arguments do not line up with the reference (among
+                them a reference's aux left out of ``aux=``).
         """
         # pytest then ends a failure's traceback at the test's line, as torch.testing does;
         # the helpers below hide their frames too (--full-trace shows them).
@@ -127,8 +130,18 @@ class Reference:
         ]
         # Aux leaves that cannot be compared as tensors (structure, non-numeric values).
         unpaired: list[ItemCheck] = []
-        if aux is not None:
+        if aux is UNCHECKED:
+            self._leave_aux_unchecked(aux_tolerances)
+        elif aux is not None:
             self._aux_items(aux, aux_tolerances or {}, budget, extra, items, unpaired)
+        elif self.aux is not None:
+            raise TypeError(
+                "assert_close(): this reference has an aux (grad_reference(..., has_aux=True): "
+                f"{_aux_labels(self.aux)}) but no aux= was given, so it would go unchecked. "
+                "Pass the kernel's aux as aux= to compare it item by item, or "
+                "aux=pytest_gradref.UNCHECKED to leave it uncompared on purpose (the report "
+                "records it as unchecked)"
+            )
         elif aux_tolerances:
             raise ValueError("assert_close(): aux_tolerances= needs the actual aux, as aux=")
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
@@ -169,6 +182,23 @@ class Reference:
         resolved = self.policy.tolerance(dtype, extra, why)
         return ToleranceItem(label, actual, expected, resolved, missing)
 
+    def _leave_aux_unchecked(self, aux_tolerances: Mapping[AuxKey, Tolerance] | None) -> None:
+        """aux=UNCHECKED: validated, and the aux's items recorded as not compared."""
+        __tracebackhide__ = True
+        if self.aux is None:
+            raise TypeError(
+                "assert_close(aux=pytest_gradref.UNCHECKED): this reference has no aux to "
+                "leave unchecked; drop aux=, or compute it with grad_reference(..., has_aux=True)"
+            )
+        if aux_tolerances:
+            raise ValueError(
+                "assert_close(): aux_tolerances= has nothing to apply to under "
+                "aux=pytest_gradref.UNCHECKED; pass the kernel's aux as aux= to compare it"
+            )
+        if self.policy.recording is not None:
+            leaves = pair_aux(self.aux, self.aux, None)
+            self.policy.recording.add_unchecked_aux(leaf.label for leaf in leaves)
+
     def _aux_items(
         self,
         aux: Any,
@@ -205,7 +235,7 @@ class Reference:
             if leaf.problem is not None:
                 unpaired.append(_failed(leaf.label, leaf.problem))
                 continue
-            expected = _as_tensor(leaf.expected, None)
+            expected = leaf_tensor(leaf.expected, None)
             if expected is None:  # not numeric: equal or not
                 if leaf.actual != leaf.expected:
                     unpaired.append(
@@ -215,8 +245,8 @@ class Reference:
                         )
                     )
                 continue
-            actual = _as_tensor(leaf.actual, expected.device)
-            golden = _as_tensor(leaf.golden, None) if is_inexact(expected.dtype) else None
+            actual = leaf_tensor(leaf.actual, expected.device)
+            golden = leaf_tensor(leaf.golden, None) if is_inexact(expected.dtype) else None
             key: AuxKey | None = leaf.label if leaf.label in tolerances else leaf.key
             own = tolerances.get(key) if key is not None else None
             item_extra, item_budget = extra, budget
@@ -299,18 +329,12 @@ def _no_grad(name: str) -> str:
     )
 
 
+def _aux_labels(aux: Any, shown: int = 4) -> str:
+    """The first items of an aux by label, for a message."""
+    labels = [leaf.label for leaf in pair_aux(aux, aux, None)]
+    more = f" and {len(labels) - shown} more" if len(labels) > shown else ""
+    return ", ".join(labels[:shown]) + more
+
+
 def _failed(label: str, detail: str) -> ItemCheck:
     return ItemCheck(label, "-", math.nan, math.nan, "-", -math.inf, False, detail)
-
-
-def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor | None:
-    """An aux leaf as a tensor: itself, or a Python number as a 0-dim tensor (a float as
-    float64, its precision) on ``device``; None for anything else."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (bool, int, float, complex)):
-        dtype = torch.float64 if isinstance(value, float) and not isinstance(value, bool) else None
-        return torch.tensor(value, dtype=dtype, device=device)
-    return None

@@ -90,6 +90,96 @@ def test_aux_compared_item_by_item(pytester: pytest.Pytester) -> None:
     )
 
 
+AUX_LEFT_OUT = """
+import copy
+import pickle
+
+import pytest
+import torch
+from pytest_gradref import UNCHECKED, Tolerance
+
+
+def loss(x):
+    return (x * x).sum(), {"rewards": 2 * x, "steps": 3}
+
+
+def test_aux_left_out(grad_reference):
+    x = torch.randn(4, dtype=torch.float64)
+    ref = grad_reference(loss, x, has_aux=True)
+    ref.assert_close((x * x).sum(), 2 * x)
+
+
+def test_aux_unchecked(grad_reference):
+    x = torch.randn(4, dtype=torch.float64)
+    ref = grad_reference(loss, x, has_aux=True)
+    ref.assert_close((x * x).sum(), 2 * x, aux=UNCHECKED)
+
+
+def test_aux_compared(grad_reference):
+    x = torch.randn(4, dtype=torch.float64)
+    ref = grad_reference(loss, x, has_aux=True)
+    value, aux = loss(x)
+    ref.assert_close(value, 2 * x, aux=aux)
+
+
+def test_unchecked_where_it_means_nothing(grad_reference):
+    x = torch.randn(4, dtype=torch.float64)
+    without = grad_reference(lambda t: (t * t).sum(), x)
+    with pytest.raises(TypeError, match="this reference has no aux to leave unchecked"):
+        without.assert_close((x * x).sum(), 2 * x, aux=UNCHECKED)
+    ref = grad_reference(loss, x, has_aux=True)
+    with pytest.raises(ValueError, match="aux_tolerances= has nothing to apply to"):
+        ref.assert_close(
+            (x * x).sum(), 2 * x, aux=UNCHECKED, aux_tolerances={"steps": Tolerance(1, 1)}
+        )
+
+
+def test_unchecked_is_one_object():
+    # Under xdist a test's arguments may be pickled; the sentinel stays itself.
+    assert pickle.loads(pickle.dumps(UNCHECKED)) is UNCHECKED
+    assert copy.deepcopy(UNCHECKED) is UNCHECKED
+    assert repr(UNCHECKED) == "pytest_gradref.UNCHECKED"
+"""
+
+
+def test_aux_left_out_fails_and_unchecked_is_recorded(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(AUX_LEFT_OUT)
+    result = pytester.runpytest("-p", "no:randomly", "-v", "--gradref-report=r.json")
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "E * TypeError: assert_close(): this reference has an aux (grad_reference(..., "
+            "has_aux=True): aux[[]'rewards'], aux[[]'steps']) but no aux= was given, so it "
+            "would go unchecked. Pass the kernel's aux as aux= to compare it item by item, or "
+            "aux=pytest_gradref.UNCHECKED to leave it uncompared on purpose (the report "
+            "records it as unchecked)",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "aux left unchecked (assert_close(aux=pytest_gradref.UNCHECKED)) in 1 test:",
+            "  *::test_aux_unchecked: aux[[]'rewards'], aux[[]'steps']",
+        ]
+    )
+    records = json.loads((pytester.path / "r.json").read_text())["tests"]
+    by_name = {r["nodeid"].split("::")[1]: r for r in records}
+    assert by_name["test_aux_unchecked"]["aux_unchecked"] == ["aux['rewards']", "aux['steps']"]
+    assert [i["label"] for i in by_name["test_aux_unchecked"]["items"]] == [
+        "value",
+        "gradient of argument 0 (x)",
+    ]
+    assert by_name["test_aux_compared"]["aux_unchecked"] == []
+    assert [i["label"] for i in by_name["test_aux_compared"]["items"]] == [
+        "value",
+        "gradient of argument 0 (x)",
+        "aux['rewards']",
+        "aux['steps']",
+    ]
+    # Without -v the summary leaves the list to the report.
+    quiet = pytester.runpytest("-p", "no:randomly")
+    quiet.stdout.no_fnmatch_line("*aux left unchecked*")
+
+
 COMPUTE_DTYPE = """
 import pytest
 import torch
@@ -196,6 +286,43 @@ def test_golden_less_precise_than_requested(pytester: pytest.Pytester) -> None:
         sys.executable, "-m", "pytest_gradref", "diff", "report.json", "report.json"
     )
     assert diff.ret == 0, diff.stdout.str()
+
+
+WARNED_AT = """
+import inspect
+
+import pytest
+import torch
+from pytest_gradref import GoldenPrecisionWarning
+
+
+def casting_reference(x):
+    return x.float().square().sum()
+
+
+@pytest.mark.parametrize("kind", ["fixture", "kernel"])
+def test_warned_at_the_call(grad_reference, kind):
+    compute = grad_reference if kind == "fixture" else grad_reference.kernel
+    x = torch.randn(8, dtype=torch.bfloat16)
+    with pytest.warns(GoldenPrecisionWarning) as caught:
+        line = inspect.currentframe().f_lineno + 1
+        compute(casting_reference, x, golden=torch.float64)
+    (warning,) = caught
+    assert (warning.filename, warning.lineno) == (__file__, line)
+"""
+
+
+def test_golden_warning_points_at_the_test_line(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(WARNED_AT)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+def test_user_stacklevel_skips_the_plugin_frames() -> None:
+    from pytest_gradref.warning_types import user_stacklevel
+
+    # Called here, outside the package: the frame that warns is the user's own.
+    assert user_stacklevel() == 1
 
 
 PARAMS = """
@@ -307,6 +434,12 @@ def test_fixed_by_marker(grad_reference):
 def test_crosschecked(grad_reference):
     x = torch.randn(5, dtype=torch.float64)
     grad_reference(kernel_b, x).assert_close(kernel_b(x), 2 * x)
+
+
+def test_kernel_beside_a_crosschecked_reference(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    grad_reference.kernel(kernel_a, x).assert_close(kernel_b(x), 2 * x)
+    grad_reference(kernel_b, x).assert_close(kernel_b(x), 2 * x)
 """
 
 
@@ -316,7 +449,7 @@ def test_kernel_against_kernel_and_opt_outs(pytester: pytest.Pytester, strategy:
     result = pytester.runpytest(
         "-p", "no:randomly", f"--gradref-strategy={strategy}", "--gradref-report=r.json"
     )
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     records = json.loads((pytester.path / "r.json").read_text())["tests"]
     opt_outs = {r["nodeid"].split("::")[1]: r["crosscheck_opt_out"] for r in records}
     if strategy == "grad_and_value":
@@ -327,11 +460,17 @@ def test_kernel_against_kernel_and_opt_outs(pytester: pytest.Pytester, strategy:
         "test_kernel_against_kernel": "a kernel reference (grad_reference.kernel)",
         "test_fixed_by_marker": "@pytest.mark.gradref(strategy='autograd')",
         "test_crosschecked": None,
+        "test_kernel_beside_a_crosschecked_reference": "a kernel reference (grad_reference.kernel)",
     }
+    # The test with a crosschecked reference beside its kernel reference is no opt-out.
     result.stdout.fnmatch_lines(
         [
+            "crosscheck: 4 items received autograd results, checked against grad_and_value; "
+            "0 differ beyond tolerance",
             "crosscheck: 2 tests opted out, not crosschecked: 1 by "
             "@pytest.mark.gradref(strategy='autograd'); 1 by a kernel reference "
             "(grad_reference.kernel)",
+            "crosscheck: 1 test crosschecked in part, some references not: 1 by a kernel "
+            "reference (grad_reference.kernel)",
         ]
     )

@@ -123,6 +123,99 @@ def test_agree(grad_reference):
     )
 
 
+CROSSCHECKED_AUX = """
+import itertools
+import math
+
+import torch
+
+
+def loss(x):
+    aux = {"chosen_rewards": 2 * x, "steps": torch.tensor(3), "pair": (x.sum(), 0.5), "name": "dpo"}
+    return (x * x).sum(), aux
+
+
+def test_agree(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    ref = grad_reference(loss, x, has_aux=True)
+    assert [d.label for d in ref.crosscheck] == [
+        "value",
+        "gradient of argument 0 (x)",
+        "aux['chosen_rewards']",
+        "aux['steps']",
+        "aux['pair'][0]",
+        "aux['pair'][1]",
+        "aux['name']",
+    ]
+    assert all(d.max_abs == 0 and not d.exceeds_tolerance for d in ref.crosscheck)
+
+
+calls = itertools.count()
+
+
+def changing(x):
+    # Each run of fn sees the next call: autograd's first, grad_and_value's second.
+    n = next(calls)
+    aux = {
+        "rewards": 2 * x * (1 + 1e-3 * n),
+        "call": n,
+        "name": ("first", "second")[n],
+        f"only_in_run_{n}": x.sum(),
+    }
+    return (x * x).sum(), aux
+
+
+def test_disagree(grad_reference):
+    x = torch.randn(5, dtype=torch.float64)
+    ref = grad_reference(changing, x, has_aux=True)
+    found = {d.label: d for d in ref.crosscheck}
+    assert list(found) == [
+        "value", "gradient of argument 0 (x)", "aux", "aux['rewards']", "aux['call']", "aux['name']"
+    ]
+    assert not found["value"].exceeds_tolerance
+    rewards = found["aux['rewards']"]
+    # relative to the value checked against: 1e-3 of it, over its 1.001
+    assert rewards.exceeds_tolerance and math.isclose(rewards.max_rel, 1e-3 / 1.001, rel_tol=1e-9)
+    assert found["aux['call']"].exceeds_tolerance and found["aux['call']"].max_abs == 1
+    name = found["aux['name']"]
+    assert name.exceeds_tolerance and name.tolerance == "equality" and math.isnan(name.max_abs)
+    structure = found["aux"]
+    assert structure.exceeds_tolerance and "keys differ" in structure.tolerance
+"""
+
+
+def test_crosscheck_pairs_the_aux(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(CROSSCHECKED_AUX)
+    result = pytester.runpytest(
+        "-p", "no:randomly", "--gradref-strategy=crosscheck", "--gradref-report=r.json"
+    )
+    result.assert_outcomes(passed=2)
+    records = {
+        r["nodeid"].split("::")[1]: r
+        for r in json.loads((pytester.path / "r.json").read_text())["tests"]
+    }
+    assert len(records["test_agree"]["crosscheck"]) == 7
+    # The agreeing aux is counted among the compared items; each disagreement is listed.
+    result.stdout.fnmatch_lines(
+        [
+            "crosscheck: 13 items received autograd results, checked against grad_and_value; "
+            "4 differ beyond tolerance",
+            "autograd and grad_and_value disagree beyond tolerance:",
+            "  *::test_disagree: aux (-) differs by nan (relative nan) between autograd "
+            "(received) and grad_and_value (checked against); tolerance the same structure "
+            "(keys differ: the actual lacks 'only_in_run_0'; it adds 'only_in_run_1'; the "
+            "actual: grad_and_value's aux)",
+            "  *::test_disagree: aux[[]'rewards'] (float64) differs by * (relative 0.000999) "
+            "between autograd (received) and grad_and_value (checked against); tolerance "
+            "rtol=1e-07, atol=1e-07 from torch.testing's default for float64",
+            "  *::test_disagree: aux[[]'call'] (int64) differs by 1 (relative 1) between *; "
+            "tolerance rtol=0, atol=0 from exact comparison for int64",
+            "  *::test_disagree: aux[[]'name'] (str) differs by nan (relative nan) between *; "
+            "tolerance equality",
+        ]
+    )
+
+
 def test_crosscheck_on_npu_received_grad_and_value(
     pytester: pytest.Pytester, npu_on_cpu: Callable[[str], None]
 ) -> None:
