@@ -1,10 +1,16 @@
 """Which tests ran on the gradref device, and which ran without it.
 
-A test uses the gradref device when it takes a gradref fixture or carries a gradref marker;
-any other test puts its tensors wherever it chooses (the CPU, unless it probes for a device
-itself). On a CPU run that loses nothing. On any other device, or a simulated one, it is
-coverage that did not happen: the terminal summary and the report count both kinds, and
-``--gradref-strict-device`` fails such a run.
+A test uses the gradref device when it declares it (takes a gradref fixture or carries a
+gradref marker) or when it allocates tensors on it during its setup and call: a library that
+finds the device itself (``infer_device()`` returning "npu") uses it as well. Allocations are
+observed by the backend's allocation count (``Backend.allocation_count``), read before setup
+and after the call, only where coverage can be lost. Any other test put its tensors on the CPU
+or touched none at all; the two cannot be told apart cheaply (the CPU allocator keeps no
+count, and watching every operator would cost each test), so they are one group.
+
+On a CPU run nothing is lost. On any other device, or a simulated one, a test without the
+device is coverage that did not happen: the terminal summary and the report count both kinds,
+and ``--gradref-strict-device`` fails such a run.
 
 Each test's use rides on its test report (so it reaches the xdist controller) and is counted
 where the session reports.
@@ -21,14 +27,28 @@ from pytest_gradref.settings import STRICT_DEVICE_EXIT
 if TYPE_CHECKING:
     from pytest_gradref.settings import Setup
 
-# The test report attribute that carries {"used": bool, "device": str} for a test's call.
+# The test report attribute that carries a test's use of the device (see ``device_use``).
 USE_ATTRIBUTE = "gradref_device_use"
 LISTED = 5  # tests without the device named in the summary (-v names them all)
+# The device's allocation count when the test's setup began (None: the backend counts none).
+_allocations_before = pytest.StashKey[int | None]()
 
 
-def device_use(used: bool, setup: Setup) -> dict[str, Any]:
-    """What a test's report carries: whether it used the gradref device, and which one."""
-    return {"used": used, "device": str(setup.device)}
+def device_use(item: pytest.Item, declared: bool, setup: Setup) -> dict[str, Any]:
+    """What a test's report carries: whether it used the gradref device (declared it, or
+    allocated on it), which device, and whether it allocated there (None: not observed)."""
+    allocated = None
+    if _allocations_before in item.stash:
+        before = item.stash[_allocations_before]
+        after = setup.backend.allocation_count(setup.device)
+        if before is not None and after is not None:
+            allocated = after > before
+    return {
+        "used": declared or bool(allocated),
+        "declared": declared,
+        "allocated": allocated,
+        "device": str(setup.device),
+    }
 
 
 def loses_coverage(setup: Setup) -> bool:
@@ -50,6 +70,13 @@ class DeviceCoverage:
         if use is not None:  # keyed by node id: a rerun test counts once, by its last run
             self.uses[report.nodeid] = use
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # Before any fixture runs; not at all where nothing can be lost (a CPU run pays nothing).
+        setup = self._setup(item.config)
+        if setup is not None and loses_coverage(setup):
+            item.stash[_allocations_before] = setup.backend.allocation_count(setup.device)
+
     @property
     def without(self) -> list[str]:
         return sorted(nodeid for nodeid, use in self.uses.items() if not use["used"])
@@ -58,6 +85,17 @@ class DeviceCoverage:
         """The devices the tests that used the gradref device ran on (npu:0, npu:1 under -n)."""
         return sorted({use["device"] for use in self.uses.values() if use["used"]})
 
+    @property
+    def found_it_themselves(self) -> int:
+        """Tests that used the device without declaring it: they allocated on it."""
+        return sum(1 for use in self.uses.values() if use["used"] and not use["declared"])
+
+    @property
+    def allocations_counted(self) -> bool:
+        """Whether every test's allocations on the device were observed (not on the CPU, nor
+        where the backend counts none)."""
+        return bool(self.uses) and all(use["allocated"] is not None for use in self.uses.values())
+
     def fields(self) -> dict[str, Any]:
         """The report's account of it."""
         without = self.without
@@ -65,6 +103,8 @@ class DeviceCoverage:
             "used": len(self.uses) - len(without),
             "not_used": len(without),
             "not_used_tests": without,
+            "used_undeclared": self.found_it_themselves,
+            "allocations_counted": self.allocations_counted,
         }
 
     def _setup(self, config: pytest.Config) -> Setup | None:
@@ -96,12 +136,30 @@ class DeviceCoverage:
         without = self.without
         devices = ", ".join(self.devices()) or setup.label
         simulated = "; simulated on CPU" if setup.simulated else ""
-        lines = [
-            f"{len(self.uses) - len(without)} tests used the gradref device ({devices}"
-            f"{simulated}); {len(without)} ran without it (no "
-            "gradref fixture or marker: their tensors went where they put them, the CPU "
-            "unless they chose a device themselves)"
-        ]
+        found = self.found_it_themselves
+        line = (
+            f"{len(self.uses) - len(without)} tests used the gradref device ({devices}{simulated})"
+        )
+        if found:
+            line += f", {found} of them without a gradref fixture or marker (they allocated on it)"
+        line += f"; {len(without)} ran without it"
+        if without and self.allocations_counted:
+            line += (
+                " (no gradref fixture or marker and no tensor allocated on the device: tests "
+                "that ran on the CPU and tests that never touch torch alike; "
+            )
+        elif without:
+            line += (
+                f" (no gradref fixture or marker; {setup.backend.name} counts no allocations, "
+                "so a test that chose the device itself counts here too, as do tests that "
+                "never touch torch; "
+            )
+        if without:
+            line += (
+                "@pytest.mark.gradref with no arguments on a test that needs no device, or "
+                "deselecting it, clears --gradref-strict-device)"
+            )
+        lines = [line]
         shown = without if verbose else without[:LISTED]
         lines += [f"  without the device: {nodeid}" for nodeid in shown]
         if len(shown) < len(without):
@@ -110,7 +168,7 @@ class DeviceCoverage:
             lines.append(
                 f"--gradref-strict-device: {len(without)} tests ran without the gradref device, "
                 f"so the session fails (exit status {STRICT_DEVICE_EXIT}). Give them the "
-                "gradref_device fixture (or a gradref marker), deselect them, or run without "
-                "--gradref-strict-device."
+                "gradref_device fixture, mark those that need no device @pytest.mark.gradref, "
+                "deselect them, or run without --gradref-strict-device."
             )
         return lines

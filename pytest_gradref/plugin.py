@@ -212,7 +212,7 @@ def pytest_runtest_makereport(
     if report.when == "call" and state.resolved is not None:
         from pytest_gradref.device_coverage import USE_ATTRIBUTE, device_use
 
-        report.__dict__[USE_ATTRIBUTE] = device_use(_uses_gradref(item), state.resolved)
+        report.__dict__[USE_ATTRIBUTE] = device_use(item, _uses_gradref(item), state.resolved)
     if report.when == "call" and recording is not None and state.resolved is not None:
         from pytest_gradref.report import RECORD_ATTRIBUTE, record_for_test
 

@@ -7,7 +7,9 @@ process look like one with torch_npu and N NPUs:
   ``tensor.npu()``, ``tensor.is_npu`` and ``module.npu()`` exist;
 - ``torch.npu`` is a device module (is_available, device_count honouring
   ASCEND_RT_VISIBLE_DEVICES, current_device, set_device, manual_seed(_all), synchronize,
-  get_device_name, memory statistics that are always zero);
+  get_device_name, memory statistics that are always zero but for the count of tensors
+  created on each device, which ``memory_stats_as_nested_dict`` reports as
+  ``["allocation"]["all"]["allocated"]``, where CUDA and torch_npu count allocations);
 - ``import torch_npu`` returns a stand-in module, so the plugin's npu probe runs unchanged.
 
 A tensor on a simulated npu is a wrapper around a CPU tensor (``SimulatedNpuTensor``); every
@@ -44,6 +46,7 @@ or later (``REQUIRED_TORCH``); on an older torch the option is a usage error.
 
 from __future__ import annotations
 
+import collections
 import importlib.machinery
 import importlib.util
 import os
@@ -63,6 +66,9 @@ VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
 _installed: dict[str, int] = {}
 _current = [0]
+# Tensors created per device index, views included: enough to tell whether a test used the
+# device (the plugin's device coverage), not how much memory it took.
+_created: collections.Counter[int] = collections.Counter()
 
 
 class SimulatedDeviceError(RuntimeError):
@@ -141,6 +147,7 @@ class SimulatedNpuTensor(torch.Tensor):
             dispatch_sizes_strides_policy="sizes",
         )
         wrapper.cpu_data = inner
+        _created[device.index or 0] += 1
         return wrapper
 
     def tolist(self) -> Any:
@@ -340,6 +347,9 @@ def _device_module() -> types.ModuleType:
     def nothing(device: Any = None) -> None:
         _index(device)
 
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        return {"allocation": {"all": {"allocated": _created[_index(device)]}}}
+
     def is_initialized() -> bool:
         return True
 
@@ -360,6 +370,7 @@ def _device_module() -> types.ModuleType:
         memory_reserved=zero,
         max_memory_reserved=zero,
         reset_peak_memory_stats=nothing,
+        memory_stats_as_nested_dict=memory_stats_as_nested_dict,
         empty_cache=lambda: None,
         is_initialized=is_initialized,
         _is_in_bad_fork=lambda: False,

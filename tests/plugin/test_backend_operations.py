@@ -3,6 +3,9 @@ memory statistics, checked on the cpu policy and on a policy with CPU placement.
 
 from __future__ import annotations
 
+import types
+from typing import Any
+
 import pytest
 import torch
 
@@ -16,6 +19,7 @@ def test_cpu_policy_operations() -> None:
     assert cpu.device_count() == 1
     assert cpu.current_device() == "cpu"
     assert cpu.memory_stats(device) == {}  # torch tracks no CPU allocations
+    assert cpu.allocation_count(device) is None
     cpu.reset_peak_memory(device)  # nothing to reset, and no error
     cpu.synchronize(device)  # nothing to wait for, and no error
     cpu.activate(device)
@@ -59,3 +63,30 @@ def test_reset_peak_memory_forgets_earlier_peaks(
     gradref_backend.reset_peak_memory(gradref_device)
     after = gradref_backend.memory_stats(gradref_device)
     assert after["max_memory_allocated"] == after["memory_allocated"]
+
+
+@pytest.mark.parametrize(
+    ("stats", "count"),
+    [
+        ({"allocation": {"all": {"allocated": 7, "current": 2}}}, 7),  # torch.cuda's, torch_npu's
+        ({}, 0),  # what torch.cuda answers before its allocator starts
+        ({"allocated_bytes": {"all": {"allocated": 512}}}, None),  # bytes only, as torch.xpu
+    ],
+)
+def test_allocation_count_reads_the_allocators_count(
+    monkeypatch: pytest.MonkeyPatch, stats: dict[str, Any], count: int | None
+) -> None:
+    asked: list[torch.device] = []
+
+    def memory_stats_as_nested_dict(device: torch.device) -> dict[str, Any]:
+        asked.append(device)
+        return stats
+
+    # A device module as torch.cuda is one, under a device type torch knows but has none for.
+    module = types.SimpleNamespace(memory_stats_as_nested_dict=memory_stats_as_nested_dict)
+    monkeypatch.setattr(torch, "meta", module, raising=False)
+    backend = Backend(name="counting", device_type="meta")
+    assert backend.allocation_count(torch.device("meta")) == count
+    assert asked == [torch.device("meta")]
+    monkeypatch.delattr(torch, "meta")
+    assert backend.allocation_count(torch.device("meta")) is None  # no module, no count

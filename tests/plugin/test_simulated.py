@@ -75,6 +75,16 @@ def test_synchronize_and_memory_statistics(gradref_backend, gradref_device):
     stats = gradref_backend.memory_stats(gradref_device)
     assert stats == {"memory_allocated": 0, "max_memory_allocated": 0, "memory_reserved": 0}
     gradref_backend.reset_peak_memory(gradref_device)
+    # Tensors created count per device, as allocations on CUDA and torch_npu do.
+    npu1 = torch.device("npu", 1)
+    before = [gradref_backend.allocation_count(d) for d in (gradref_device, npu1)]
+    x = torch.ones(2, device=gradref_device) + 1
+    assert [gradref_backend.allocation_count(d) for d in (gradref_device, npu1)] == [
+        before[0] + 2,
+        before[1],
+    ]
+    x.to(npu1)
+    assert gradref_backend.allocation_count(npu1) == before[1] + 1
 
 
 def test_reference_on_npu_tensors(grad_reference, gradref_device):
