@@ -63,6 +63,9 @@ class Report:
     default_strategy: str | None = None
     # Run on a simulated device (--gradref-simulate): the CPU's operators, not the device's.
     simulated: bool = False
+    # Every device the tests ran on (npu:0, npu:1 under -n 2); empty where an older report
+    # does not record them, or no test used the device.
+    devices: tuple[str, ...] = ()
 
     def describe(self) -> str:
         strategy = (
@@ -70,8 +73,11 @@ class Report:
             if self.strategy_is_default
             else self.strategy
         )
+        where = f"device={self.device}"
+        if self.devices and list(self.devices) != [self.device]:
+            where = f"devices={','.join(self.devices)}"
         return (
-            f"device={self.device}{' (simulated)' if self.simulated else ''} "
+            f"{where}{' (simulated)' if self.simulated else ''} "
             f"backend={self.backend} strategy={strategy} seed={self.base_seed} torch={self.torch} "
             f"({len(self.tests)} {'test' if len(self.tests) == 1 else 'tests'})"
         )
@@ -139,6 +145,9 @@ def parse_report(document: Any, name: str) -> Report:
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise UnusableInput(f"{name}: {record['nodeid']}: no list of items")
         tests[record["nodeid"]] = record
+    devices = document.get("devices", [])
+    if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+        raise UnusableInput(f"{name}: devices must be a list of device names, got {devices!r}")
     strategy_is_default = document.get("strategy_is_default") is True
     default_strategy = document.get("default_strategy")
     if default_strategy is None and strategy_is_default:  # a report from before the field
@@ -155,6 +164,7 @@ def parse_report(document: Any, name: str) -> Report:
         tests=tests,
         default_strategy=default_strategy,
         simulated=document.get("simulated") is True,
+        devices=tuple(devices),
     )
 
 

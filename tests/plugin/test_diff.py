@@ -576,6 +576,32 @@ def test_a_crosscheck_report_compares_across_devices_as_a_default_one(
     )
 
 
+def test_the_header_names_every_device_a_report_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    two = _on_device(BASE, "npu", "grad_and_value")
+    two.update(devices=["npu:0", "npu:1"], simulated=True)  # a -n 2 run
+    one = _on_device(BASE, "npu", "grad_and_value")
+    one["devices"] = ["npu:0"]
+    old = _on_device(BASE, "npu", "grad_and_value")  # written before reports had devices
+    paths = {
+        name: _write(tmp_path / f"{name}.json", doc)
+        for name, doc in (("two", two), ("one", one), ("old", old))
+    }
+    status, out, _ = _diff(capsys, paths["two"], paths["one"])
+    assert status == 0
+    assert f"base: {paths['two']}: devices=npu:0,npu:1 (simulated) backend=npu " in out
+    assert f"new:  {paths['one']}: device=npu:0 backend=npu " in out
+    _, out, _ = _diff(capsys, "--format=markdown", paths["old"], paths["two"])
+    assert f"- base `{paths['old']}`: device=npu:0 backend=npu " in out
+    assert f"- new `{paths['two']}`: devices=npu:0,npu:1 (simulated) backend=npu " in out
+    # A devices field that is no list of names is refused, and says what it got.
+    old["devices"] = "npu:0"
+    status, _, err = _diff(capsys, _write(tmp_path / "bad.json", old), paths["one"])
+    assert status == 2
+    assert "bad.json: devices must be a list of device names, got 'npu:0'" in err
+
+
 def test_simulated_against_real_shows_changes_without_calling_them_regressions(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
