@@ -44,8 +44,8 @@ UNCHECKED: Final = Unchecked.UNCHECKED
 
 @dataclass(frozen=True)
 class AuxLeaf:
-    """One aux item: the actual and reference values at one place, and the golden's when
-    there is a golden reference (None where it has none)."""
+    """One aux item: the actual and reference values at one place, and the golden's and the
+    rounded reference's where there are such references (None where there are not)."""
 
     label: str
     # The top-level key or index it lies under (None for a bare, unnested aux).
@@ -54,12 +54,14 @@ class AuxLeaf:
     expected: Any
     golden: Any
     problem: str | None = None
+    rounded: Any = None
 
 
-def pair_aux(actual: Any, expected: Any, golden: Any) -> list[AuxLeaf]:
-    """Every leaf of the reference's aux with the actual's and the golden's at its place."""
+def pair_aux(actual: Any, expected: Any, golden: Any, rounded: Any = None) -> list[AuxLeaf]:
+    """Every leaf of the reference's aux with the actual's, the golden's and the rounded
+    reference's at its place."""
     leaves: list[AuxLeaf] = []
-    _walk("aux", None, actual, expected, golden, leaves)
+    _walk("aux", None, actual, expected, golden, rounded, leaves)
     return leaves
 
 
@@ -71,7 +73,13 @@ def _child(container: Any, key: Any) -> Any:
 
 
 def _walk(
-    label: str, top: AuxKey | None, actual: Any, expected: Any, golden: Any, out: list[AuxLeaf]
+    label: str,
+    top: AuxKey | None,
+    actual: Any,
+    expected: Any,
+    golden: Any,
+    rounded: Any,
+    out: list[AuxLeaf],
 ) -> None:
     def problem(text: str) -> None:
         out.append(AuxLeaf(label, top, actual, expected, golden, problem=text))
@@ -100,6 +108,7 @@ def _walk(
                     actual[key],
                     expected[key],
                     _child(golden, key),
+                    _child(rounded, key),
                     out,
                 )
         return
@@ -115,9 +124,17 @@ def _walk(
             return
         for index, (a, e) in enumerate(zip(actual, expected)):
             child_top = index if top is None else top
-            _walk(f"{label}[{index}]", child_top, a, e, _child(golden, index), out)
+            _walk(
+                f"{label}[{index}]",
+                child_top,
+                a,
+                e,
+                _child(golden, index),
+                _child(rounded, index),
+                out,
+            )
         return
-    out.append(AuxLeaf(label, top, actual, expected, golden))
+    out.append(AuxLeaf(label, top, actual, expected, golden, rounded=rounded))
 
 
 def leaf_tensor(value: Any, device: torch.device | None) -> torch.Tensor | None:

@@ -6,7 +6,9 @@ Two criteria:
 - an error budget against a golden (higher-precision) reference: the actual result may be at
   most ``budget`` times as far from the golden as the same-dtype reference is, plus a floor
   (see ``FLOOR_ULPS``), so a reference that happens to land almost exactly on the golden does
-  not demand exactness of the kernel.
+  not demand exactness of the kernel. With a rounded reference (rounding.py: the reference
+  rounded to the compute dtype after every operation) the budget counts from the larger of
+  the two references' errors.
 
 Each check yields an ``ItemCheck`` with its statistics, for the failure message and the report.
 ``check_items`` compares all items of one ``assert_close`` with one host read (see there).
@@ -140,7 +142,8 @@ class ItemCheck:
     ``headroom`` is 1 minus the share of the allowance used by the worst element: 1 for an
     exact match, 0 at the limit, negative when the item fails. A tolerance check made without
     statistics (``check_items(..., statistics=False)``) has NaN for max_abs, max_rel and
-    headroom.
+    headroom. ``rounded_error`` is the rounded reference's greatest error vs the golden, for a
+    budget with a rounded reference (None otherwise).
     """
 
     label: str
@@ -151,6 +154,7 @@ class ItemCheck:
     headroom: float
     passed: bool
     detail: str = ""
+    rounded_error: float | None = None
 
 
 # What a failure says of an item whose actual result is None.
@@ -181,6 +185,9 @@ class BudgetItem:
     # where it is less precise than the item itself (a bf16 kernel's float32 loss).
     compute_dtype: torch.dtype | None = None
     missing: str = MISSING_HINT
+    # The reference rounded to the compute dtype after every operation (rounding.py), where
+    # asked for: the budget then counts from the larger of its error and the reference's.
+    rounded: torch.Tensor | None = None
 
 
 Item = Union[ToleranceItem, BudgetItem]
@@ -294,23 +301,28 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
 
 def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     """The actual's greatest error vs the golden, its greatest relative error, the
-    reference's greatest error vs the golden and the golden's greatest finite magnitude: as a
-    float64 tensor where the golden is, or None for an item the batched pass leaves out. NaN
-    anywhere makes an error NaN (a NaN golden makes both NaN), which fails the item; which
-    side held it is looked up for the failure message only."""
+    reference's greatest error vs the golden, the golden's greatest finite magnitude and, with
+    a rounded reference, its greatest error vs the golden: as a float64 tensor where the golden
+    is, or None for an item the batched pass leaves out. NaN anywhere makes an error NaN (a
+    NaN golden makes all NaN), which fails the item; which side held it is looked up for the
+    failure message only."""
     import torch
 
-    actual, reference, golden = item.actual, item.reference, item.golden
+    actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
     assert actual is not None
-    if not _batchable(actual, reference, golden, on=golden.device):
+    references = (reference,) if rounded is None else (reference, rounded)
+    if not _batchable(actual, *references, golden, on=golden.device):
         return None
     if golden.numel() == 0:
-        return torch.zeros(4, dtype=torch.float64, device=golden.device)
+        return torch.zeros(3 + len(references), dtype=torch.float64, device=golden.device)
     own, golden_magnitude = difference(actual, golden)
     own_rel = torch.where(own == 0, 0.0, own / golden_magnitude).max()
     ref, _ = difference(reference, golden)
     scale = golden_magnitude.nan_to_num_(nan=0.0, posinf=0.0).max()
-    return torch.stack([own.max(), own_rel, ref.max(), scale])
+    numbers = [own.max(), own_rel, ref.max(), scale]
+    if rounded is not None:
+        numbers.append(difference(rounded, golden)[0].max())
+    return torch.stack(numbers)
 
 
 def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,8 +358,8 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
         promoted = torch.promote_types(actual.dtype, item.expected.dtype)
         clear = used <= 1 - _CONFIRM_STEPS * epsilon(promoted)  # False for NaN
         return _tolerance_check(item, max_abs, max_rel, used, passed=True if clear else None)
-    own_abs, own_rel, ref_abs, scale = values
-    return _budget_check(item, own_abs, own_rel, ref_abs, scale)
+    own_abs, own_rel, ref_abs, scale, *rounded_abs = values
+    return _budget_check(item, own_abs, own_rel, ref_abs, scale, *rounded_abs)
 
 
 def _check_alone(item: Item) -> ItemCheck:
@@ -366,7 +378,8 @@ def _check_alone(item: Item) -> ItemCheck:
     # A mask, not boolean indexing: a sharded DTensor cannot index by a data-dependent shape.
     finite = torch.where(golden.isfinite(), golden.abs(), 0.0)
     scale = float(finite.max()) if finite.numel() else 0.0
-    return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale)
+    rounded_abs = None if item.rounded is None else _stats(item.rounded, item.golden).max_abs
+    return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale, rounded_abs)
 
 
 def _tolerance_check(
@@ -423,11 +436,13 @@ def _budget_check(
     own_rel: float,
     ref_abs: float,
     scale: float,
+    rounded_abs: float | None = None,
 ) -> ItemCheck:
     """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
     elements; ``scale``, the golden's greatest finite magnitude, sets the floor), which a NaN
-    on any side fails; the worst element's index and the sides holding NaN are looked up for
-    the message of a failure."""
+    on any side fails; with a rounded reference the larger of its error and the reference's
+    counts, and the criterion names both and which one set the allowance. The worst element's
+    index and the sides holding NaN are looked up for the message of a failure."""
     actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
     assert actual is not None
     dtype = less_precise(actual.dtype, reference.dtype)
@@ -439,32 +454,55 @@ def _budget_check(
     floor_text = f"floor {floor:.3g}"
     if floor_dtype != dtype:
         floor_text += f" ({dtype_name(floor_dtype)} steps: the compute dtype)"
-    allowed = budget * ref_abs + floor
+    # The error the budget counts from, whose it is, and the other reference's (rounded).
+    basis, basis_name = ref_abs, f"the {dtype_name(reference.dtype)} reference"
+    other = ""
+    if rounded_abs is not None:
+        rounded_dtype = item.compute_dtype if item.compute_dtype is not None else dtype
+        rounded_name = f"the {dtype_name(rounded_dtype)}-rounded reference"
+        # A NaN error on either side becomes the basis, so the allowance is NaN and fails.
+        if math.isnan(rounded_abs) or rounded_abs > ref_abs:
+            other = f"{basis_name}'s is {ref_abs:.3g}"
+            basis, basis_name = rounded_abs, rounded_name
+        else:
+            other = f"{rounded_name}'s is {rounded_abs:.3g}"
+    allowed = budget * basis + floor
     if allowed > 0 or math.isnan(allowed):
         used = own_abs / allowed
     else:
         used = 0.0 if own_abs == 0 else math.inf
     passed = own_abs <= allowed  # False where either error is NaN
-    ratio = own_abs / ref_abs if ref_abs > 0 else float("inf")
+    ratio = own_abs / basis if basis > 0 else float("inf")
+    larger = f", the larger: {other}" if other else ""
     criterion = (
-        f"budget {budget:g}x the {dtype_name(reference.dtype)} reference's error vs the "
-        f"{golden_name} golden ({ref_abs:.3g}) + {floor_text}"
+        f"budget {budget:g}x {basis_name}'s error vs the {golden_name} golden "
+        f"({basis:.3g}{larger}) + {floor_text}"
     )
     detail = ""
     if not passed:
         worst_index = _worst_index(actual, golden)
-        sides = (("actual result", actual), ("reference", reference), ("golden", golden))
+        sides = [("actual result", actual), ("reference", reference), ("golden", golden)]
+        if item.rounded is not None:
+            sides.append(("rounded reference", item.rounded))
         nan_sides = [side for side, t in sides if bool(t.detach().isnan().any())]
-        ratio_text = f"{ratio:.3g}x" if ref_abs > 0 else "infinitely many times"
+        ratio_text = f"{ratio:.3g}x" if basis > 0 else "infinitely many times"
         detail = (
             f"error vs the {golden_name} golden: {own_abs:.3g} at index {worst_index} "
-            f"(greatest relative {own_rel:.3g}), {ratio_text} the "
-            f"{dtype_name(reference.dtype)} reference's own error {ref_abs:.3g}; "
-            f"allowed: budget {budget:g} x {ref_abs:.3g} + {floor_text} "
+            f"(greatest relative {own_rel:.3g}), {ratio_text} {basis_name}'s own error "
+            f"{basis:.3g}{f' ({other})' if other else ''}; "
+            f"allowed: budget {budget:g} x {basis:.3g} + {floor_text} "
             f"= {allowed:.3g}" + "".join(f" (the {side} has NaN)" for side in nan_sides)
         )
     return ItemCheck(
-        item.label, dtype_name(dtype), own_abs, own_rel, criterion, 1 - used, passed, detail
+        item.label,
+        dtype_name(dtype),
+        own_abs,
+        own_rel,
+        criterion,
+        1 - used,
+        passed,
+        detail,
+        rounded_abs,
     )
 
 

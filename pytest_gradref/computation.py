@@ -3,7 +3,8 @@
 It validates fn and its arguments (argnums, a module's parameters chosen with ``params=``),
 names each gradient after fn's signature, finds the compute dtype, runs the strategy
 (differentiation.py), under crosscheck both strategies and their disagreement per item (the
-aux's leaves among them), and with ``golden=`` the golden (golden.py).
+aux's leaves among them), with ``golden=`` the golden (golden.py), and with ``rounded=True``
+the rounded reference (rounding.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
 from pytest_gradref.auxiliary import leaf_tensor, pair_aux
@@ -31,6 +33,8 @@ from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, St
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gradref.rounding import Rounded
+
 Argnums = Union[int, Sequence[int]]
 # Which of a module's parameters a reference differentiates and checks: names, or a predicate
 # of (name, parameter); None: those that require grad.
@@ -50,6 +54,7 @@ def compute_reference(
     golden: torch.dtype | None = None,
     golden_device: torch.device | None = None,
     params: ParamSelection = None,
+    rounded: bool = False,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
@@ -59,7 +64,9 @@ def compute_reference(
     given, else where the inputs are); a golden that fn returns less precise than that is
     warned of (GoldenPrecisionWarning). ``params`` chooses a module's parameters
     differentiated and checked (names, or a predicate of name and parameter); by default
-    those that require grad.
+    those that require grad. ``rounded=True`` (which needs ``golden``) also runs the primary
+    strategy with every floating-point result rounded to the compute dtype, for budgets that
+    count from the larger of the two references' errors.
     """
     __tracebackhide__ = True
     import torch
@@ -73,6 +80,7 @@ def compute_reference(
     positions = normalize_argnums(fn, args, argnums, is_module=is_module)
     if golden is not None:
         check_golden_dtype(golden, args)
+    _check_rounded(rounded, golden)
     selected: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -124,6 +132,10 @@ def compute_reference(
             obtained=obtained,
         )
 
+    rounded_result = None
+    if rounded:
+        rounded_result = _rounded_reference(problem, primary, compute)
+
     grads: torch.Tensor | tuple[torch.Tensor, ...] = result.arg_grads
     if isinstance(argnums, int):
         grads = result.arg_grads[0]
@@ -139,6 +151,48 @@ def compute_reference(
         grad_labels=tuple(labels),
         policy=policy,
         compute=compute,
+        rounded=rounded_result,
+    )
+
+
+def _check_rounded(rounded: object, golden: torch.dtype | None) -> None:
+    """``rounded`` is a bool, and True only beside a golden: it only widens a budget."""
+    __tracebackhide__ = True
+    if not isinstance(rounded, bool):
+        raise TypeError(f"rounded must be True or False, got {rounded!r}")
+    if rounded and golden is None:
+        raise ValueError(
+            "rounded=True needs a golden reference: the rounded reference only widens an "
+            "error budget, which is measured against a golden. Add golden=torch.float64 "
+            "(here or in @pytest.mark.gradref) and check with a budget, e.g. "
+            "@pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)"
+        )
+
+
+def _rounded_reference(
+    problem: Problem, strategy: Strategy, compute: ComputeDtype | None
+) -> Rounded:
+    """fn's value and gradients by ``strategy`` with every floating-point result rounded to the
+    compute dtype: what the same computation gives carried out in that dtype at every step."""
+    __tracebackhide__ = True
+    from pytest_gradref.rounding import Rounded, RoundToDtype
+
+    if compute is None or not compute.dtype.is_floating_point:
+        given = "no floating tensor" if compute is None else f"{compute.source}, {compute.dtype}"
+        raise ValueError(
+            "rounded=True rounds every result to the compute dtype, a floating dtype: that of "
+            f"the least precise input; {describe(problem.fn)} was given {given}"
+        )
+    dtype = compute.dtype
+    # torch.func.grad_and_value runs under the mode too (torch 2.6 and later): both
+    # strategies round the same operations.
+    computed = STRATEGY_FUNCTIONS[strategy](replace(problem, mode=lambda: RoundToDtype(dtype)))
+    return Rounded(
+        dtype=dtype,
+        value=computed.value,
+        arg_grads=computed.arg_grads,
+        param_grads=computed.param_grads,
+        aux=computed.aux,
     )
 
 

@@ -11,6 +11,7 @@ its true gradient, and it is what grad_and_value returns, so the two strategies 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,9 @@ class Problem:
     params: dict[str, torch.Tensor]
     frozen: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    # Entered around fn and its differentiation, not around the plugin's own bookkeeping
+    # (fresh buffers, zero gradients): the rounded reference's dispatch mode (rounding.py).
+    mode: Callable[[], AbstractContextManager[object]] = nullcontext
 
     def fresh_buffers(self) -> dict[str, torch.Tensor]:
         return {name: buffer.clone() for name, buffer in self.buffers.items()}
@@ -119,8 +123,9 @@ def _by_autograd(problem: Problem) -> _Result:
     leaves = [problem.args[i].detach().requires_grad_(True) for i in problem.argnums]
     params = {n: p.detach().requires_grad_(True) for n, p in problem.params.items()}
     inputs = [*leaves, *params.values()]
-    with torch.enable_grad():
-        loss, aux = problem.split(problem.call(leaves, params, problem.fresh_buffers()))
+    buffers = problem.fresh_buffers()
+    with torch.enable_grad(), problem.mode():
+        loss, aux = problem.split(problem.call(leaves, params, buffers))
         found: Sequence[torch.Tensor | None] = [None] * len(inputs)
         if loss.requires_grad and inputs:  # else nothing differentiable reached the loss
             found = torch.autograd.grad(loss, inputs, allow_unused=True)
@@ -157,10 +162,12 @@ def _by_grad_and_value(problem: Problem) -> _Result:
     transform = torch.func.grad_and_value(loss_and_aux, argnums=(0, 1), has_aux=True)
     diff_args = tuple(problem.args[i].detach() for i in problem.argnums)
     diff_params = {n: p.detach() for n, p in problem.params.items()}
+    buffers = problem.fresh_buffers()
     try:
-        (arg_grads, param_grads), (value, aux_tensors) = transform(
-            diff_args, diff_params, problem.fresh_buffers()
-        )
+        with problem.mode():
+            (arg_grads, param_grads), (value, aux_tensors) = transform(
+                diff_args, diff_params, buffers
+            )
     except RuntimeError as error:
         if "setup_context" in str(error):
             raise RuntimeError(

@@ -1,7 +1,8 @@
 """The object the ``grad_reference`` fixture hands a test: ``GradReference``.
 
 It computes references under the test's policy (strategy, tolerances, golden dtype, where the
-golden is computed); plugin.py builds it from the session's setup and the test's marker.
+golden is computed, whether a rounded reference is computed too); plugin.py builds it from the
+session's setup and the test's marker.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ if TYPE_CHECKING:
 class GradReference:
     """The ``grad_reference`` fixture: computes references under the test's policy.
 
-    ``golden`` is the test's default golden dtype (from its marker); ``golden_on_cpu`` names
-    the dtypes the backend cannot compute on its device, whose goldens go to the CPU.
+    ``golden`` is the test's default golden dtype and ``rounded`` whether it asks for a
+    rounded reference (from its marker); ``golden_on_cpu`` names the dtypes the backend cannot
+    compute on its device, whose goldens go to the CPU.
     """
 
     strategy: StrategyChoice
@@ -33,6 +35,7 @@ class GradReference:
     policy: CheckPolicy
     golden: torch.dtype | None = None
     golden_on_cpu: frozenset[str] = frozenset()
+    rounded: bool = False
 
     def __repr__(self) -> str:
         # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
@@ -40,6 +43,8 @@ class GradReference:
         fields = f"backend={self.policy.backend!r}, strategy={self.strategy!r}"
         if self.golden is not None:
             fields += f", golden={self.golden}"
+        if self.rounded:
+            fields += ", rounded=True"
         return f"GradReference({fields})"
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -56,6 +61,7 @@ class GradReference:
         has_aux: bool = False,
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
+        rounded: bool | None = None,
         **kwargs: Any,
     ) -> Reference:
         """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
@@ -64,10 +70,15 @@ class GradReference:
         ``Reference.param_grads``: those that require grad, or those ``params`` names (a
         name, a list of names, or a predicate ``(name, parameter) -> bool``); ``argnums=()``
         asks for those alone. With ``golden=torch.float64`` the reference is also computed
-        in that dtype, for ``Reference.assert_close(..., budget=k)``.
+        in that dtype, for ``Reference.assert_close(..., budget=k)``; with ``rounded=True``
+        also with every floating-point result rounded to the compute dtype (the least precise
+        floating input's), and a budget then counts from the larger of the two references'
+        errors. ``golden`` and ``rounded`` left as None take the marker's.
         """
         __tracebackhide__ = True
-        return self._compute(self.strategy, fn, args, kwargs, argnums, has_aux, golden, params)
+        return self._compute(
+            self.strategy, fn, args, kwargs, argnums, has_aux, golden, params, rounded
+        )
 
     def kernel(
         self,
@@ -78,6 +89,7 @@ class GradReference:
         has_aux: bool = False,
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
+        rounded: bool | None = None,
         **kwargs: Any,
     ) -> Reference:
         """Like calling the fixture, for a reference that is itself a kernel: another
@@ -89,11 +101,14 @@ class GradReference:
         run a Function without ``setup_context``. Under ``--gradref-strategy=crosscheck``
         there is nothing to crosscheck in it: the summary counts the test as opted out, or as
         crosschecked in part where it also computes a crosschecked reference.
+        ``rounded=True`` rounds the kernel's own operations, its backward's included.
         """
         __tracebackhide__ = True
         if self.strategy == "crosscheck" and self.policy.recording is not None:
             self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
-        return self._compute("autograd", fn, args, kwargs, argnums, has_aux, golden, params)
+        return self._compute(
+            "autograd", fn, args, kwargs, argnums, has_aux, golden, params, rounded
+        )
 
     def _compute(
         self,
@@ -105,9 +120,10 @@ class GradReference:
         has_aux: bool,
         golden: torch.dtype | None,
         params: ParamSelection,
+        rounded: bool | None,
     ) -> Reference:
-        """compute_reference under this fixture's policy, with the call's golden dtype or the
-        marker's (on the CPU where the backend cannot compute it)."""
+        """compute_reference under this fixture's policy, with the call's golden dtype and
+        rounding or the marker's (the golden on the CPU where the backend cannot compute it)."""
         __tracebackhide__ = True
         import torch
 
@@ -127,4 +143,5 @@ class GradReference:
             params=params,
             golden=golden,
             golden_device=golden_device,
+            rounded=rounded if rounded is not None else self.rounded,
         )

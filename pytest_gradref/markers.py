@@ -26,8 +26,9 @@ MARKER_LINES = (
     "of devices.",
     "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
     "is one of devices.",
-    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None): per-test "
-    "reference strategy, tolerance overrides, golden dtype and error budget.",
+    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None, rounded=False): "
+    "per-test reference strategy, tolerance overrides, golden dtype, error budget, and whether "
+    "the budget also counts from the reference rounded to the compute dtype at every step.",
 )
 DEVICE_MARKERS = ("gradref_xfail", "gradref_skip", "gradref_only")
 ALL_MARKERS = (*DEVICE_MARKERS, "gradref")
@@ -36,7 +37,7 @@ _KEYWORDS: dict[str, tuple[str, ...]] = {
     "gradref_xfail": ("reason", "raises", "strict"),
     "gradref_skip": ("reason",),
     "gradref_only": ("reason",),
-    "gradref": ("strategy", "rtol", "atol", "golden", "budget"),
+    "gradref": ("strategy", "rtol", "atol", "golden", "budget", "rounded"),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {"gradref_xfail": ("reason",), "gradref_skip": ("reason",)}
 
@@ -117,6 +118,7 @@ class TestOverrides:
     tolerance: ToleranceOverride | None = None
     golden: Any = None  # a torch.dtype; typed loosely so this module needs no torch
     budget: float | None = None
+    rounded: bool = False
 
 
 def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
@@ -161,4 +163,16 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
             )
         if tolerance is not None:
             raise MarkerError("@pytest.mark.gradref takes either budget= or rtol=/atol=")
-    return TestOverrides(strategy=strategy, tolerance=tolerance, golden=golden, budget=budget)
+    rounded = kwargs.get("rounded", False)
+    if not isinstance(rounded, bool):
+        raise MarkerError(f"@pytest.mark.gradref got rounded={rounded!r}; it must be True or False")
+    missing = [name for name, value in (("golden=", golden), ("budget=", budget)) if value is None]
+    if rounded and missing:
+        raise MarkerError(
+            f"@pytest.mark.gradref got rounded=True without {' and '.join(missing)}: the "
+            "rounded reference only widens an error budget against a golden reference, so "
+            "write @pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)"
+        )
+    return TestOverrides(
+        strategy=strategy, tolerance=tolerance, golden=golden, budget=budget, rounded=rounded
+    )

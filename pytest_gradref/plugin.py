@@ -243,7 +243,8 @@ def gradref_device(pytestconfig: pytest.Config) -> torch.device:
 def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     """Computes reference values and gradients the way the active backend needs.
 
-    Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None, **kwargs)``.
+    Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None,
+    rounded=None, **kwargs)``.
     """
     from pytest_gradref.fixture import GradReference
     from pytest_gradref.markers import parse_gradref_mark
@@ -281,4 +282,5 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         policy=policy,
         golden=overrides.golden,
         golden_on_cpu=setup.backend.cpu_only_dtypes,
+        rounded=overrides.rounded,
     )

@@ -36,6 +36,8 @@ from pytest_gradref.strategies import Strategy
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gradref.rounding import Rounded
+
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
 ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]
 
@@ -57,6 +59,9 @@ class Reference:
         golden: the same computed in a higher precision, when ``golden=`` was asked for.
         compute: the least precise floating dtype among the inputs, which every item's
             tolerance follows (None where no input is floating).
+        rounded: the same with every floating-point result rounded to the compute dtype,
+            when ``rounded=True`` was asked for; a budget then counts from the larger of its
+            error and the reference's.
     """
 
     value: torch.Tensor
@@ -70,6 +75,7 @@ class Reference:
     grad_labels: tuple[str, ...]
     policy: CheckPolicy
     compute: ComputeDtype | None = None
+    rounded: Rounded | None = None
 
     def assert_close(
         self,
@@ -90,14 +96,15 @@ class Reference:
         least precise input differentiated), unless a ``gradref`` marker or ``rtol``/``atol``
         here override it. With ``budget=k`` (or a marker's budget) and a golden reference,
         each item instead passes when its error against the golden is at most k times the
-        same-dtype reference's own error, plus a floor (see compare.py). ``aux`` (the
-        kernel's auxiliary output) is compared leaf by leaf with the same rules; an entry of
-        ``aux_tolerances``, keyed by a top-level key or index of the aux or by an item's
-        label (``"aux['logps'][0]"``), gives those items a tolerance of their own, which
-        wins over the marker, the arguments here and a budget. A reference with an aux needs
-        ``aux=``: the kernel's aux, or ``pytest_gradref.UNCHECKED`` to leave it uncompared on
-        purpose (recorded in the report). Every item is checked before failing, and the
-        message names each one that differs.
+        same-dtype reference's own error, plus a floor (see compare.py); with a rounded
+        reference (``rounded=True``), k times the larger of the two references' errors.
+        ``aux`` (the kernel's auxiliary output) is compared leaf by leaf with the same rules;
+        an entry of ``aux_tolerances``, keyed by a top-level key or index of the aux or by an
+        item's label (``"aux['logps'][0]"``), gives those items a tolerance of their own,
+        which wins over the marker, the arguments here and a budget. A reference with an aux
+        needs ``aux=``: the kernel's aux, or ``pytest_gradref.UNCHECKED`` to leave it
+        uncompared on purpose (recorded in the report). Every item is checked before failing,
+        and the message names each one that differs.
 
         Raises:
             AssertionError: an item differs beyond its tolerance or budget.
@@ -119,12 +126,19 @@ class Reference:
                     "grad_reference(..., golden=torch.float64) or mark the test "
                     "@pytest.mark.gradref(golden=torch.float64)"
                 )
+        elif self.rounded is not None:
+            raise ValueError(
+                "this reference was computed with rounded=True, which only widens an error "
+                "budget, and assert_close() compares "
+                + ("with rtol=/atol=" if rtol is not None or atol is not None else "without one")
+                + ": pass budget=k (or set it in @pytest.mark.gradref) or leave rounded out"
+            )
         extra: tuple[ToleranceOverride, ...] = ()
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
         items: list[Item] = [
-            self._item(label, actual, expected, golden, budget, extra, missing)
-            for label, actual, expected, golden, missing in self._pair_items(
+            self._item(label, actual, expected, golden, budget, extra, missing, rounded)
+            for label, actual, expected, golden, rounded, missing in self._pair_items(
                 actual_value, actual_grads, param_grads
             )
         ]
@@ -165,14 +179,16 @@ class Reference:
         budget: float | None,
         extra: tuple[ToleranceOverride, ...],
         missing: str = MISSING_HINT,
+        rounded: torch.Tensor | None = None,
     ) -> Item:
-        """The item to check: against the golden with a budget, else with the tolerance of
-        the dtype it is compared at (see ComputeDtype)."""
+        """The item to check: against the golden with a budget (counted from the rounded
+        reference too, where there is one), else with the tolerance of the dtype it is
+        compared at (see ComputeDtype)."""
         import torch
 
         compute = self.compute.dtype if self.compute is not None else None
         if budget is not None and golden is not None:
-            return BudgetItem(label, actual, expected, golden, budget, compute, missing)
+            return BudgetItem(label, actual, expected, golden, budget, compute, missing, rounded)
         dtype = expected.dtype
         if isinstance(actual, torch.Tensor):
             dtype = less_precise(actual.dtype, dtype)
@@ -217,7 +233,12 @@ class Reference:
                 "assert_close(aux=...): this reference has no aux; compute it with "
                 "grad_reference(..., has_aux=True)"
             )
-        leaves = pair_aux(aux, self.aux, self.golden.aux if self.golden else None)
+        leaves = pair_aux(
+            aux,
+            self.aux,
+            self.golden.aux if self.golden else None,
+            self.rounded.aux if self.rounded else None,
+        )
         known = {leaf.key for leaf in leaves} | {leaf.label for leaf in leaves}
         for name, tolerance in tolerances.items():
             if name not in known:
@@ -246,7 +267,10 @@ class Reference:
                     )
                 continue
             actual = leaf_tensor(leaf.actual, expected.device)
-            golden = leaf_tensor(leaf.golden, None) if is_inexact(expected.dtype) else None
+            golden = rounded = None
+            if is_inexact(expected.dtype):
+                golden = leaf_tensor(leaf.golden, None)
+                rounded = leaf_tensor(leaf.rounded, None)
             key: AuxKey | None = leaf.label if leaf.label in tolerances else leaf.key
             own = tolerances.get(key) if key is not None else None
             item_extra, item_budget = extra, budget
@@ -258,7 +282,14 @@ class Reference:
             item_actual = leaf.actual if actual is None else actual
             items.append(
                 self._item(
-                    leaf.label, item_actual, expected, golden, item_budget, item_extra, missing
+                    leaf.label,
+                    item_actual,
+                    expected,
+                    golden,
+                    item_budget,
+                    item_extra,
+                    missing,
+                    rounded,
                 )
             )
 
@@ -267,16 +298,23 @@ class Reference:
         actual_value: torch.Tensor,
         actual_grads: ActualGrads,
         param_grads: ActualParamGrads,
-    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any, str]]:
-        """(label, actual, reference, golden or None, what a None actual means) for every
-        item, validated."""
+    ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any, Any, str]]:
+        """(label, actual, reference, golden or None, rounded reference or None, what a None
+        actual means) for every item, validated."""
         __tracebackhide__ = True
         import torch
 
-        golden = self.golden
+        golden, rounded = self.golden, self.rounded
         expected_grads = self.grads if isinstance(self.grads, tuple) else (self.grads,)
-        items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any, str]] = [
-            ("value", actual_value, self.value, golden and golden.value, MISSING_HINT)
+        items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any, Any, str]] = [
+            (
+                "value",
+                actual_value,
+                self.value,
+                golden and golden.value,
+                rounded and rounded.value,
+                MISSING_HINT,
+            )
         ]
         if expected_grads:
             if actual_grads is None:
@@ -294,11 +332,13 @@ class Reference:
                     f"reference has {len(expected_grads)} ({', '.join(self.grad_labels)}), "
                     "aligned with argnums"
                 )
-            golden_grads = golden.arg_grads if golden else (None,) * len(expected_grads)
-            for label, actual, expected, golden_grad in zip(
-                self.grad_labels, actual_tuple, expected_grads, golden_grads
+            nothing = (None,) * len(expected_grads)
+            golden_grads = golden.arg_grads if golden else nothing
+            rounded_grads = rounded.arg_grads if rounded else nothing
+            for label, actual, expected, golden_grad, rounded_grad in zip(
+                self.grad_labels, actual_tuple, expected_grads, golden_grads, rounded_grads
             ):
-                items.append((label, actual, expected, golden_grad, MISSING_HINT))
+                items.append((label, actual, expected, golden_grad, rounded_grad, MISSING_HINT))
         if self.param_grads:
             if param_grads is None:
                 raise TypeError(
@@ -313,8 +353,11 @@ class Reference:
                 raise ValueError(f"assert_close(): param_grads lacks {', '.join(missing)}")
             for name, expected in self.param_grads.items():
                 golden_grad = golden.param_grads[name] if golden else None
+                rounded_grad = rounded.param_grads[name] if rounded else None
                 label = f"gradient of parameter {name!r}"
-                items.append((label, param_grads[name], expected, golden_grad, _no_grad(name)))
+                items.append(
+                    (label, param_grads[name], expected, golden_grad, rounded_grad, _no_grad(name))
+                )
         return items
 
 

@@ -15,6 +15,7 @@ import pytest
 from pytest_gradref.settings import seed_for_test
 
 if TYPE_CHECKING:
+    from pytest_gradref.compare import ItemCheck
     from pytest_gradref.device_coverage import DeviceCoverage
     from pytest_gradref.recording import Recording
     from pytest_gradref.settings import Setup
@@ -45,6 +46,13 @@ def _plain(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     return {k: _finite(v) for k, v in vars(obj).items() if k not in drop}
 
 
+def _item_fields(check: ItemCheck) -> dict[str, Any]:
+    """A checked item as the report holds it: ``rounded_error`` (the rounded reference's
+    error vs the golden) only on the items a budget with a rounded reference checked."""
+    drop = ("detail",) if check.rounded_error is not None else ("detail", "rounded_error")
+    return _plain(check, drop=drop)
+
+
 def record_for_test(
     nodeid: str, setup: Setup, base_seed: int, recording: Recording
 ) -> dict[str, Any]:
@@ -59,7 +67,7 @@ def record_for_test(
         # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
         "seed": seed_for_test(base_seed, nodeid),
-        "items": [_plain(check, drop=("detail",)) for check in recording.checks],
+        "items": [_item_fields(check) for check in recording.checks],
         "crosscheck": [_plain(d) for d in recording.disagreements],
         # Why a crosscheck session did not crosscheck this test (None where it did, or
         # outside crosscheck).

@@ -204,6 +204,20 @@ def test_repeated_labels_are_matched_in_order(tmp_path: Path) -> None:
     assert [(i.nodeid, i.label) for i in result.regressions] == [("t.py::test_b", "value #2")]
 
 
+def test_items_with_a_rounded_error_compare_with_items_without(tmp_path: Path) -> None:
+    # A budget with a rounded reference records rounded_error; a report from before that field
+    # (or from a run without rounded=True) still compares item by item, by max_abs.
+    new = copy.deepcopy(BASE)
+    value, gradient = new["tests"][0]["items"]
+    value.update(rounded_error=4e-7, criterion="budget 2x the bfloat16-rounded reference's ...")
+    gradient.update(rounded_error=1e-6, max_abs=8e-6)
+    base, new_path = _pair(tmp_path, new)
+    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    assert [(i.label, i.ratio) for i in result.regressions] == [
+        ("gradient of argument 0 (x)", pytest.approx(4))
+    ]
+
+
 def test_floor_keeps_exact_zeros_from_giving_infinite_ratios(tmp_path: Path) -> None:
     new = copy.deepcopy(BASE)
     new["tests"][1]["items"][0]["max_abs"] = 1e-13  # was exactly 0

@@ -67,6 +67,22 @@ def test_budget(grad_reference):
         ref.assert_close(value + 1e-3, (gx, gw))
 
 
+def upcast_loss(x, w):
+    # float32 inside from bf16 inputs, as library references compute
+    return loss(*(t.to(torch.promote_types(t.dtype, torch.float32)) for t in (x, w)))
+
+
+@pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)
+def test_rounded_budget(grad_reference):
+    x, w = (wrap(t.to(torch.bfloat16)) for t in (torch.randn(8, 5), torch.randn(5)))
+    ref = grad_reference(upcast_loss, x, w, argnums=(0, 1))
+    assert type(ref.rounded.value) is SUBCLASS and type(ref.rounded.arg_grads[1]) is SUBCLASS
+    value, gx, gw = kernel(x, w)  # in bf16 throughout
+    ref.assert_close(value, (gx, gw))
+    with pytest.raises(AssertionError, match="the bfloat16-rounded reference's"):
+        ref.assert_close(value, (gx, gw * 1.5))
+
+
 @pytest.mark.gradref(strategy="crosscheck")
 def test_crosscheck(grad_reference):
     x, w = inputs()
@@ -157,7 +173,7 @@ def wrap(tensor):
     return distribute_tensor(tensor, MESH[0], [placement])
 """
 
-OUTCOMES = {"passed": 5}
+OUTCOMES = {"passed": 6}
 
 
 def _check_report(path: Path) -> None:
@@ -167,6 +183,7 @@ def _check_report(path: Path) -> None:
         "test_tolerance",
         "test_tolerance_mismatch_fails",
         "test_budget",
+        "test_rounded_budget",
         "test_crosscheck",
         "test_plain_actual_against_plain_reference_still_batched",
     }
@@ -183,6 +200,9 @@ def _check_report(path: Path) -> None:
     budget = tests["test_budget"]["items"]
     assert [i["passed"] for i in budget] == [True, True, True, False, True, True]
     assert all("budget 2x" in i["criterion"] for i in budget)
+    rounded = tests["test_rounded_budget"]["items"]
+    assert [i["passed"] for i in rounded] == [True, True, True, True, True, False]
+    assert all(i["rounded_error"] >= 0 and "bfloat16-rounded" in i["criterion"] for i in rounded)
     assert len(tests["test_crosscheck"]["crosscheck"]) == 3
 
 
