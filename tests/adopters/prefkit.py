@@ -8,9 +8,12 @@ gradients for backward, and wraps it all in an ``autograd.Function`` without
 PyTorch references sit beside them, as a library's test utilities would.
 
 The kernels compute in at least float32 from bf16 inputs (the matmuls too, as fused kernels
-do) and return a float32 loss with gradients in the inputs' dtype. The references compute the
-logits in the inputs' dtype and the rest in at least float32, casting with ``promote_types``
-rather than ``.float()``, so a float64 golden stays float64.
+do) and return a float32 loss with gradients in the inputs' dtype. With ``upcast=False`` they
+compute in the inputs' dtype throughout instead, as Liger-Kernel's chunked losses do in bf16:
+the logits, the softmax and the rest of the loss, and the accumulation of the weight gradient
+over chunks. The references compute the logits in the inputs' dtype and the rest in at least
+float32, casting with ``promote_types`` rather than ``.float()``, so a float64 golden stays
+float64.
 """
 
 from __future__ import annotations
@@ -24,27 +27,37 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _logits(x: Tensor, weight: Tensor, bias: Tensor | None, upcast_first: bool = False) -> Tensor:
-    """x @ weight.T + bias in at least float32: the matmul in the inputs' dtype, or (for
-    the kernels, ``upcast_first``) in float32 too."""
-    if upcast_first:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    logits = x @ weight.T
+    return logits if bias is None else logits + bias
+
+
+def _logits(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The references' logits: the matmul in the inputs' dtype, the result in at least
+    float32."""
+    logits = _linear(x, weight, bias)
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _kernel_logits(x: Tensor, weight: Tensor, bias: Tensor | None, upcast: bool) -> Tensor:
+    """The kernels' logits: in at least float32, the matmul included (``upcast``), or in the
+    inputs' dtype."""
+    if upcast:
         dtype = torch.promote_types(x.dtype, torch.float32)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-    logits = x @ weight.T
-    if bias is not None:
-        logits = logits + bias
-    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return _linear(x, weight, bias)
 
 
 # --- the chunk loop --------------------------------------------------------------------------
 
 
 class _ChunkedLoss(torch.autograd.Function):
-    """forward(chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen):
+    """forward(chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen, upcast):
     ``chunk_loss(x_c, weight, bias, *chunked_c, *frozen) -> (loss_c, aux_c)`` per chunk of
     ``x`` and of each tensor in ``chunked`` along ``chunk_dim``; the chunk losses are summed,
-    aux tensors with a leading dimension concatenated and scalars summed."""
+    aux tensors with a leading dimension concatenated and scalars summed, in at least float32.
+    The weight and bias gradients accumulate in float32 (``upcast``) or in their own dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -57,11 +70,13 @@ class _ChunkedLoss(torch.autograd.Function):
         bias: Tensor | None,
         chunked: tuple[Tensor, ...],
         frozen: tuple[Any, ...],
+        upcast: bool,
     ) -> tuple[Tensor, tuple[Tensor, ...]]:
         argnums = (0, 1) if bias is None else (0, 1, 2)
         step = torch.func.grad_and_value(chunk_loss, argnums=argnums, has_aux=True)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        accumulate = torch.float32 if upcast else weight.dtype
+        grad_weight = torch.zeros_like(weight, dtype=accumulate)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=accumulate)
         grad_x, losses, auxes = [], [], []
         for start in range(0, x.shape[chunk_dim], chunk_size):
             pieces = [
@@ -80,11 +95,8 @@ class _ChunkedLoss(torch.autograd.Function):
             grad_weight.to(weight.dtype),
             None if grad_bias is None or bias is None else grad_bias.to(bias.dtype),
         )
-        aux = tuple(
-            torch.cat(parts) if parts[0].dim() else torch.stack(parts).sum()
-            for parts in zip(*auxes)
-        )
-        return torch.stack(losses).sum(), aux
+        aux = tuple(torch.cat(parts) if parts[0].dim() else _total(parts) for parts in zip(*auxes))
+        return _total(losses), aux
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Any, ...]:
@@ -93,7 +105,13 @@ class _ChunkedLoss(torch.autograd.Function):
             None if g is None else g * grad_loss.to(g.dtype)
             for g in (grad_x, grad_weight, grad_bias)
         ]
-        return (None, None, None, *scaled, None, None)
+        return (None, None, None, *scaled, None, None, None)
+
+
+def _total(parts: list[Tensor]) -> Tensor:
+    """The sum of the chunks' scalars in at least float32 (as Liger's accumulators are)."""
+    stacked = torch.stack(parts)
+    return stacked.to(torch.promote_types(stacked.dtype, torch.float32)).sum()
 
 
 def _run(
@@ -105,9 +123,10 @@ def _run(
     bias: Tensor | None,
     chunked: tuple[Tensor, ...],
     frozen: tuple[Any, ...],
+    upcast: bool,
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
     result: tuple[Tensor, tuple[Tensor, ...]] = _ChunkedLoss.apply(
-        chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen
+        chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen, upcast
     )
     return result
 
@@ -146,13 +165,14 @@ def fused_linear_jsd(
     beta: float = 0.5,
     temperature: float = 1.0,
     chunk_size: int = 16,
+    upcast: bool = True,
 ) -> Tensor:
     rows = student_input.shape[0]
 
     def chunk(x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, tw: Tensor) -> Any:
         with torch.no_grad():
-            teacher = _logits(tx, tw, None, True) / temperature
-        terms = _jsd_terms(_logits(x, w, b, True) / temperature, teacher, beta)
+            teacher = _kernel_logits(tx, tw, None, upcast) / temperature
+        terms = _jsd_terms(_kernel_logits(x, w, b, upcast) / temperature, teacher, beta)
         return terms.sum() / rows, ()
 
     loss, _ = _run(
@@ -164,6 +184,7 @@ def fused_linear_jsd(
         None,
         (teacher_input,),
         (teacher_weight,),
+        upcast,
     )
     return loss
 
@@ -224,6 +245,7 @@ def fused_linear_cosine(
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
     chunk_size: int = 16,
+    upcast: bool = True,
 ) -> Tensor:
     valid = (true_labels != ignore_index).sum().clamp(min=1)
 
@@ -231,9 +253,9 @@ def fused_linear_cosine(
         x: Tensor, w: Tensor, b: Tensor | None, tx: Tensor, labels: Tensor, tw: Tensor
     ) -> Any:
         with torch.no_grad():
-            teacher = _logits(tx, tw, None, True)
+            teacher = _kernel_logits(tx, tw, None, upcast)
         terms = _cosine_terms(
-            _logits(x, w, b, True),
+            _kernel_logits(x, w, b, upcast),
             teacher,
             labels,
             ignore_index,
@@ -251,6 +273,7 @@ def fused_linear_cosine(
         student_bias,
         (teacher_input, true_labels),
         (teacher_weight,),
+        upcast,
     )
     return loss
 
@@ -346,6 +369,7 @@ def fused_linear_dpo(
     ignore_index: int = -100,
     compute_nll_loss: bool = False,
     chunk_size: int = 1,
+    upcast: bool = True,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The chunked kernel: chunks of ``chunk_size`` chosen/rejected pairs."""
     pairs = input.shape[0] // 2
@@ -358,9 +382,9 @@ def fused_linear_dpo(
         x: Tensor, w: Tensor, b: Tensor | None, t: Tensor, rx: Tensor, rw: Tensor, rb: Tensor | None
     ) -> Any:
         with torch.no_grad():
-            ref_logits = _logits(rx, rw, rb, True)
+            ref_logits = _kernel_logits(rx, rw, rb, upcast)
         loss, aux = _dpo_pairs(
-            _logits(x, w, b, True),
+            _kernel_logits(x, w, b, upcast),
             ref_logits,
             t,
             beta,
@@ -374,7 +398,7 @@ def fused_linear_dpo(
     rw = _or(ref_weight, weight).detach()
     rb = None if ref_bias is None else ref_bias.detach()
     loss, aux = _run(
-        chunk, 1, chunk_size, input.view(shape), weight, bias, (target2, ref_x), (rw, rb)
+        chunk, 1, chunk_size, input.view(shape), weight, bias, (target2, ref_x), (rw, rb), upcast
     )
     return loss, dict(zip(AUX_NAMES, aux))
 

@@ -1,0 +1,128 @@
+"""prefkit's kernels computing in bf16 throughout (``upcast=False``: logits, softmax and the
+weight gradient's accumulation in bf16, as Liger-Kernel's chunked losses do) against the same
+float32-internal references, with no device branches and no tolerances.
+
+Such a kernel is about as accurate as the reference's own computation carried out in bf16,
+and far less accurate than the reference, which takes its softmax in float32: the budget counts
+from the reference rounded to bf16 after every operation (``rounded=True``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prefkit import (
+    AUX_NAMES,
+    cosine_reference,
+    dpo_reference,
+    draw,
+    fused_linear_cosine,
+    fused_linear_dpo,
+    fused_linear_jsd,
+    jsd_reference,
+)
+from test_adopter_distillation import SHAPES as DISTILLATION_SHAPES
+from test_adopter_distillation import distillation_inputs, run_kernel
+from test_adopter_dpo import SHAPES as PREFERENCE_SHAPES
+from test_adopter_dpo import leaves, preference_inputs
+
+ROUNDED = pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)
+
+
+@ROUNDED
+@pytest.mark.parametrize(("beta", "temperature"), [(0.5, 1.0), (0.1, 2.0)])
+@pytest.mark.parametrize("shape", DISTILLATION_SHAPES, ids=str)
+def test_fused_linear_jsd_in_bf16(grad_reference, gradref_device, shape, beta, temperature):
+    args = distillation_inputs(gradref_device, torch.bfloat16, *shape)
+    ref = grad_reference(jsd_reference, *args, argnums=(0, 1), beta=beta, temperature=temperature)
+    loss, grads = run_kernel(
+        fused_linear_jsd, *args, beta=beta, temperature=temperature, upcast=False
+    )
+    ref.assert_close(loss, grads)
+
+
+@pytest.mark.gradref(golden=torch.float64, budget=2)
+def test_the_bf16_jsd_fails_a_budget_against_the_reference_alone(grad_reference, gradref_device):
+    # What rounded=True is for: the float32 softmax makes the reference far more accurate.
+    args = distillation_inputs(gradref_device, torch.bfloat16, *DISTILLATION_SHAPES[1])
+    ref = grad_reference(jsd_reference, *args, argnums=(0, 1), beta=0.1, temperature=2.0)
+    loss, grads = run_kernel(fused_linear_jsd, *args, beta=0.1, temperature=2.0, upcast=False)
+    with pytest.raises(AssertionError, match="3 of 3 items differ"):
+        ref.assert_close(loss, grads)
+
+
+@ROUNDED
+@pytest.mark.parametrize(("weight_hard_loss", "weight_soft_loss"), [(0.5, 0.5), (0.0, 1.0)])
+@pytest.mark.parametrize("shape", DISTILLATION_SHAPES, ids=str)
+def test_fused_linear_cosine_in_bf16(
+    grad_reference, gradref_device, shape, weight_hard_loss, weight_soft_loss
+):
+    x, w, tx, tw = distillation_inputs(gradref_device, torch.bfloat16, *shape)
+    gen = torch.Generator().manual_seed(1)
+    labels = torch.randint(0, shape[3], (x.shape[0],), generator=gen)
+    labels[::3] = -100
+    bias = draw(gen, shape[3], device=gradref_device, dtype=torch.bfloat16)
+    args = (x, w, tx, tw, labels.to(gradref_device), bias)
+    weights = {"weight_hard_loss": weight_hard_loss, "weight_soft_loss": weight_soft_loss}
+    ref = grad_reference(cosine_reference, *args, argnums=(0, 1, 5), **weights)
+    trained = leaves(x, w, bias)
+    loss = fused_linear_cosine(
+        trained[0], trained[1], tx, tw, args[4], trained[2], **weights, upcast=False
+    )
+    loss.backward()
+    ref.assert_close(loss, tuple(leaf.grad for leaf in trained))
+
+
+def dpo_in_bf16(grad_reference, args, bias, compute_nll_loss, chunk_size):
+    """The reference, and the bf16 kernel's loss, gradients and aux."""
+    trained = (0, 1, 3) if bias else (0, 1)
+    ref = grad_reference(
+        dpo_reference, *args, argnums=trained, has_aux=True, compute_nll_loss=compute_nll_loss
+    )
+    call = list(args)
+    for position, leaf in zip(trained, leaves(*(args[i] for i in trained))):
+        call[position] = leaf
+    loss, aux = fused_linear_dpo(
+        *call, compute_nll_loss=compute_nll_loss, chunk_size=chunk_size, upcast=False
+    )
+    loss.backward()
+    assert sorted(aux) == sorted(AUX_NAMES)
+    return ref, loss, tuple(call[i].grad for i in trained), aux
+
+
+@ROUNDED
+@pytest.mark.parametrize(("bias", "compute_nll_loss"), [(True, False), (False, True)])
+@pytest.mark.parametrize("shape", PREFERENCE_SHAPES, ids=str)
+def test_fused_linear_dpo_in_bf16(grad_reference, gradref_device, shape, bias, compute_nll_loss):
+    # All pairs in one chunk: see the next test for several.
+    args = preference_inputs(gradref_device, torch.bfloat16, *shape, bias=bias)
+    ref, loss, grads, aux = dpo_in_bf16(grad_reference, args, bias, compute_nll_loss, shape[0])
+    ref.assert_close(loss, grads, aux=aux)
+
+
+@ROUNDED
+def test_per_chunk_means_in_bf16_are_caught(grad_reference, gradref_device):
+    # A pair per chunk, as Liger's default: each chunk's mean of the logits is rounded to bf16
+    # before the means are summed, and here they (0.070, -0.037, -0.005) are larger than their
+    # sum (0.029), so a step of theirs is four of the result's. The rounded reference takes the
+    # mean in one reduction, as the reference does, so this error is the kernel's own.
+    args = preference_inputs(gradref_device, torch.bfloat16, *PREFERENCE_SHAPES[1], bias=False)
+    ref, loss, grads, aux = dpo_in_bf16(grad_reference, args, False, True, 1)
+    with pytest.raises(
+        AssertionError, match=r"1 of 10 items differ\n- aux\['rejected_logits_mean'\]"
+    ):
+        ref.assert_close(loss, grads, aux=aux)
+
+
+@ROUNDED
+def test_bf16_dpo_against_the_float32_kernel(grad_reference, gradref_device):
+    # Kernel against kernel: the float32-internal kernel as the reference, rounded to bf16
+    # after every operation of its forward, its chunks' grad_and_value and its backward.
+    args = preference_inputs(gradref_device, torch.bfloat16, *PREFERENCE_SHAPES[0])
+    ref = grad_reference.kernel(fused_linear_dpo, *args, argnums=(0, 1, 3), has_aux=True)
+    call = list(args)
+    for position, leaf in zip((0, 1, 3), leaves(args[0], args[1], args[3])):
+        call[position] = leaf
+    loss, aux = fused_linear_dpo(*call, upcast=False)
+    loss.backward()
+    ref.assert_close(loss, (call[0].grad, call[1].grad, call[3].grad), aux=aux)
