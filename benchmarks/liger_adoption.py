@@ -3,15 +3,20 @@
 Runs Liger-Kernel's chunked losses (``liger_kernel.chunked_loss``: LigerFusedLinearJSDLoss,
 LigerFusedLinearCosineSimilarityLoss, LigerFusedLinearDPOLoss) eagerly (``compiled=False``) on
 the CPU against the plain-PyTorch references of ``tests/adopters/prefkit.py``, on the inputs
-of the adopters suite, through pytest-gradref in a generated pytest run, in two modes:
+of the adopters suite, through pytest-gradref in a generated pytest run, in three modes:
 
 - ``defaults``: no tolerance and no marker at all (tolerances from the compute dtype);
-- ``remedy``: the README's ``@pytest.mark.gradref(golden=torch.float64, budget=2)`` on the
-  bf16 cases.
+- ``budget``: the README's ``@pytest.mark.gradref(golden=torch.float64, budget=2)`` on the
+  bf16 cases;
+- ``rounded``: ``@pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)`` on the
+  bf16 cases: the budget counts from the larger of the reference's error and that of the
+  reference rounded to bf16 after every operation.
 
-float32 cases run as a control. With ``--before REV`` the same runs are made with the plugin
-as of that revision (a ``git worktree`` put first on the child's PYTHONPATH), so the figures
-read before -> after. Liger-Kernel is an optional dependency (pure Python; its chunked losses
+float32 cases run as a control. The plugin measured is this checkout's (put first on the
+child's PYTHONPATH, whatever is installed). With ``--before REV`` the same runs are made with
+the plugin as of that revision (a ``git worktree`` put first instead), so the figures read
+before -> after; a mode that revision does not know (its marker is a usage error there) is
+shown as not available. Liger-Kernel is an optional dependency (pure Python; its chunked losses
 need no Triton on the CPU): ``pip download --no-deps liger-kernel==0.8.5`` and
 ``pip install --no-deps`` the wheel.
 
@@ -51,9 +56,17 @@ ROOT = Path(__file__).resolve().parent.parent
 ADOPTERS = ROOT / "tests" / "adopters"
 LOSSES = ("jsd", "cosine", "dpo")
 DTYPES = ("bfloat16", "float32")
+# Each mode's marker on the bf16 cases (None: no marker), and what it means.
 MODES = {
-    "defaults": "no hand tolerance (tolerance from the compute dtype)",
-    "remedy": "bf16: @pytest.mark.gradref(golden=torch.float64, budget=2)",
+    "defaults": (None, "no hand tolerance (tolerance from the compute dtype)"),
+    "budget": (
+        "golden=torch.float64, budget=2",
+        "bf16: @pytest.mark.gradref(golden=..., budget=2)",
+    ),
+    "rounded": (
+        "golden=torch.float64, budget=2, rounded=True",
+        "bf16: @pytest.mark.gradref(golden=..., budget=2, rounded=True)",
+    ),
 }
 
 TEST_FILE = '''\
@@ -78,10 +91,9 @@ from test_adopter_distillation import distillation_inputs  # noqa: E402
 from test_adopter_dpo import SHAPES as PREFERENCE_SHAPES  # noqa: E402
 from test_adopter_dpo import preference_inputs  # noqa: E402
 
-REMEDY = {remedy!r}
 CHUNK_SIZE = 8  # rows per chunk in the distillation losses: 2-3 chunks at these shapes
 COSINE_BETA = 0.5  # Liger's default
-BF16_MARKS = [pytest.mark.gradref(golden=torch.float64, budget=2)] if REMEDY else []
+BF16_MARKS = {bf16_marks}
 DTYPES = [
     pytest.param(torch.bfloat16, marks=BF16_MARKS, id="bfloat16"),
     pytest.param(torch.float32, id="float32"),
@@ -205,14 +217,16 @@ def _case(nodeid: str) -> tuple[str, str, str]:
 
 
 def run_once(
-    remedy: bool, workdir: Path, pythonpath: str | None
-) -> tuple[dict[tuple[str, str], Cell], str]:
+    marker: str | None, workdir: Path, pythonpath: str
+) -> tuple[dict[tuple[str, str], Cell] | None, str]:
+    """The cells of one mode (None where the plugin does not know its marker), and where the
+    plugin was imported from."""
     test_file = workdir / "test_liger_adoption.py"
-    test_file.write_text(TEST_FILE.format(adopters=str(ADOPTERS), remedy=remedy))
+    bf16_marks = f"[pytest.mark.gradref({marker})]" if marker else "[]"
+    test_file.write_text(TEST_FILE.format(adopters=str(ADOPTERS), bf16_marks=bf16_marks))
     report, junit = workdir / "report.json", workdir / "junit.xml"
     env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     where = subprocess.run(
         [sys.executable, "-c", "import pytest_gradref; print(pytest_gradref.__file__)"],
         env=env,
@@ -226,7 +240,9 @@ def run_once(
         "-o", "addopts=", "--rootdir", str(workdir), f"--gradref-report={report}",
         f"--junitxml={junit}",
     ]  # fmt: skip
-    subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True)
+    run = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True)
+    if run.returncode == 4:  # pytest's usage error: the marker is unknown to this plugin
+        return None, where
     cells = {(loss, dtype): Cell() for loss in LOSSES for dtype in DTYPES}
     failed: dict[str, str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
@@ -259,7 +275,7 @@ def run_once(
     return cells, where
 
 
-def table(title: str, results: dict[str, dict[tuple[str, str], Cell]]) -> list[str]:
+def table(title: str, results: dict[str, dict[tuple[str, str], Cell] | None]) -> list[str]:
     lines = [title, ""]
     head = (
         f"{'loss':<7} {'mode':<9} {'bf16':>6} {'float32':>8}  worst failing item (error / allowed)"
@@ -267,6 +283,9 @@ def table(title: str, results: dict[str, dict[tuple[str, str], Cell]]) -> list[s
     lines += [head, "-" * len(head)]
     for loss in LOSSES:
         for mode, cells in results.items():
+            if cells is None:
+                lines.append(f"{loss:<7} {mode:<9} {'n/a':>6} {'n/a':>8}  not in this plugin")
+                continue
             bf16, f32 = cells[(loss, "bfloat16")], cells[(loss, "float32")]
             notes = []
             for dtype, cell in (("bf16", bf16), ("f32", f32)):
@@ -277,6 +296,8 @@ def table(title: str, results: dict[str, dict[tuple[str, str], Cell]]) -> list[s
             lines.append(line.rstrip())
     totals = []
     for mode, cells in results.items():
+        if cells is None:
+            continue
         passed = sum(cells[(loss, "bfloat16")].passed for loss in LOSSES)
         total = sum(cells[(loss, "bfloat16")].total for loss in LOSSES)
         f32 = sum(cells[(loss, "float32")].passed for loss in LOSSES)
@@ -306,10 +327,10 @@ def main() -> int:
         f"liger-kernel {version('liger-kernel')}, torch {torch.__version__}, CPU, eager "
         "(compiled=False); 12 bf16 and 12 float32 cases: JSD and cosine 2 shapes x 2 "
         "settings, DPO 2 shapes x 2 settings (aux compared where the plugin can)",
-        "modes: " + "; ".join(f"{mode} = {text}" for mode, text in MODES.items()),
+        "modes: " + "; ".join(f"{mode} = {text}" for mode, (_, text) in MODES.items()),
         "",
     ]
-    runs: list[tuple[str, str | None]] = [("after: this checkout", None)]
+    runs: list[tuple[str, str]] = [("after: this checkout", str(ROOT))]
     before_dir = None
     if options.before:
         before_dir = Path(tempfile.mkdtemp(prefix="gradref-before-"))
@@ -331,9 +352,9 @@ def main() -> int:
     try:
         for title, pythonpath in runs:
             results = {}
-            for mode in MODES:
+            for mode, (marker, _) in MODES.items():
                 with tempfile.TemporaryDirectory(prefix="liger-adoption-") as tmp:
-                    results[mode], where = run_once(mode == "remedy", Path(tmp), pythonpath)
+                    results[mode], where = run_once(marker, Path(tmp), pythonpath)
             lines += table(f"{title} (pytest_gradref from {where})", results)
     finally:
         if before_dir is not None:
