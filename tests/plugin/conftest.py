@@ -6,6 +6,7 @@ line is not allowed in a conftest below the rootdir).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,15 @@ import torch._dynamo  # see the note below
 # The same holds for the hundreds of modules the first grad_and_value call loads, some of which
 # register operator libraries that refuse a second registration: load them once, here too.
 torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
+
+# importlib_metadata (the backport that pytest-randomly imports on Python 3.9) disables the
+# standard library's distribution finder and appends its own to sys.meta_path when first
+# imported. A run that imports it first ends with sys.meta_path restored and the module dropped,
+# the standard finder still disabled: no distribution is found, so the next run loads no
+# pytest11 entry point and rejects --gradref-* as unrecognized arguments. Imported here, once,
+# its finder stays for the whole session. Where it is not installed nothing disables the finder.
+with contextlib.suppress(ModuleNotFoundError):
+    import importlib_metadata  # noqa: F401
 
 GRADREF_ENV = (
     "GRADREF_DEVICE",
