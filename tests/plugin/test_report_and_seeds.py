@@ -216,6 +216,42 @@ def test_crosscheck_pairs_the_aux(pytester: pytest.Pytester) -> None:
     )
 
 
+def test_crosscheck_equal_infinities_agree(pytester: pytest.Pytester) -> None:
+    # Both strategies give +inf for the loss and +inf and -inf at the same gradient elements:
+    # they differ by 0 there, as assert_close measures it, not by inf - inf = NaN.
+    pytester.makepyfile(
+        """
+import torch
+
+
+def loss(x, y):
+    return x.exp().sum() + (-y).exp().sum()
+
+
+def test_infinite(grad_reference):
+    x = torch.tensor([0.0, 1000.0])
+    y = torch.tensor([-1000.0, 0.0])
+    ref = grad_reference(loss, x, y, argnums=(0, 1))
+    assert torch.isposinf(ref.value)
+    assert torch.isposinf(ref.grads[0][1]) and torch.isneginf(ref.grads[1][0])
+    assert [(d.max_abs, d.max_rel, d.exceeds_tolerance) for d in ref.crosscheck] == [
+        (0.0, 0.0, False)
+    ] * 3
+    ref.assert_close(loss(x, y), (x.exp(), -(-y).exp()))
+"""
+    )
+    result = pytester.runpytest("--gradref-strategy=crosscheck", "--gradref-report=r.json")
+    result.assert_outcomes(passed=1)
+    record = json.loads((pytester.path / "r.json").read_text())["tests"][0]
+    assert [(d["max_abs"], d["max_rel"]) for d in record["crosscheck"]] == [(0.0, 0.0)] * 3
+    result.stdout.fnmatch_lines(
+        [
+            "crosscheck: 3 items received autograd results, checked against grad_and_value; "
+            "0 differ beyond tolerance",
+        ]
+    )
+
+
 def test_crosscheck_on_npu_received_grad_and_value(
     pytester: pytest.Pytester, npu_on_cpu: Callable[[str], None]
 ) -> None:
