@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from pytest_gradref import simulated
 
@@ -297,26 +298,33 @@ def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> No
     result.stdout.fnmatch_lines(["gw1 -> npu:1 (simulated on CPU; current device npu:1)"])
 
 
+# An importable torch_npu stands for a real one, whether or not it sees a device.
 REAL_TORCH_NPU = """
 import types
 
 import torch
 
 npu = types.ModuleType("torch.npu")
-npu.is_available = lambda: True
-npu.device_count = lambda: 1
+npu.is_available = lambda: {count} > 0
+npu.device_count = lambda: {count}
 torch.npu = npu
 """
 
 
-def test_a_real_torch_npu_is_never_shadowed(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+def _torch_npu_on_the_path(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str
 ) -> None:
-    # An importable torch_npu that reports a device stands for real hardware.
     package = pytester.mkpydir("torch_npu")
-    (package / "__init__.py").write_text(REAL_TORCH_NPU)
+    (package / "__init__.py").write_text(source)
     # Prepended: an environment that installs the plugin through PYTHONPATH keeps it.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pytester.path), *_pythonpath()]))
+
+
+@pytest.mark.parametrize("count", [1, 0])
+def test_a_real_torch_npu_is_never_shadowed(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    _torch_npu_on_the_path(pytester, monkeypatch, REAL_TORCH_NPU.format(count=count))
     pytester.makepyfile("def test_nothing():\n    pass\n")
     result = pytester.runpytest_subprocess("--gradref-simulate=npu")
     # The message first: a usage error of another kind (the plugin lost, an unknown option)
@@ -324,10 +332,29 @@ def test_a_real_torch_npu_is_never_shadowed(
     result.stderr.fnmatch_lines(
         [
             "ERROR: --gradref-simulate=npu refused: a real torch_npu is installed and imports "
-            "(1 NPU device(s) visible)*"
+            f"({count} NPU device(s) visible)*"
         ]
     )
     assert result.ret == pytest.ExitCode.USAGE_ERROR
+
+
+@needs_simulation
+def test_a_torch_npu_that_cannot_import_is_simulated(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A broken installation has nothing real to shadow: the simulation installs over it.
+    _torch_npu_on_the_path(pytester, monkeypatch, "raise ImportError('libascendcl.so missing')\n")
+    pytester.makepyfile(
+        """
+import sys
+
+
+def test_simulated(gradref_device):
+    assert gradref_device.type == "npu" and sys.modules["torch_npu"].simulated
+"""
+    )
+    result = pytester.runpytest_subprocess(*SIM)
+    result.assert_outcomes(passed=1)
 
 
 def _pythonpath() -> list[str]:
@@ -347,8 +374,8 @@ def test_older_torch_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(
         [
             "ERROR: --gradref-simulate=npu: the simulated npu needs torch 2.10 or later (a "
-            "Python-registered PrivateUse1 device guard), this is torch *. Install torch>=2.10, "
-            "or run without --gradref-simulate (and unset GRADREF_SIMULATE)."
+            f"Python-registered PrivateUse1 device guard), this is torch {torch.__version__}. "
+            "Install torch>=2.10, or run without --gradref-simulate (and unset GRADREF_SIMULATE)."
         ]
     )
 
