@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from operator import methodcaller
 from typing import TYPE_CHECKING, Union
 
 from pytest_gradref.numbers import check_number
@@ -367,6 +368,7 @@ def _check_alone(item: Item) -> ItemCheck:
     subclasses...), by itself, with a host read per statistic."""
     import torch
 
+    item = _full_where_mixed(item)
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
@@ -380,6 +382,23 @@ def _check_alone(item: Item) -> ItemCheck:
     scale = float(finite.max()) if finite.numel() else 0.0
     rounded_abs = None if item.rounded is None else _stats(item.rounded, item.golden).max_abs
     return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale, rounded_abs)
+
+
+def _full_where_mixed(item: Item) -> Item:
+    """The item with each distributed tensor (a DTensor: one with ``full_tensor``) made whole
+    where the item mixes it with plain tensors, which DTensor's operators and torch.testing
+    refuse. The shapes agree already (a DTensor's shape is the whole tensor's), so the plain
+    side is the whole tensor, not a shard; where every side is distributed, each stays as it
+    is. On a mesh of several ranks this gathers, as full_tensor always does."""
+    if isinstance(item, ToleranceItem):
+        tensors = {"actual": item.actual, "expected": item.expected}
+    else:
+        tensors = {"actual": item.actual, "reference": item.reference, "golden": item.golden}
+    distributed = {name for name, t in tensors.items() if hasattr(t, "full_tensor")}
+    if not distributed or len(distributed) == len(tensors):
+        return item
+    whole = methodcaller("full_tensor")  # DTensor's, unknown to torch.Tensor's type
+    return replace(item, **{name: whole(tensors[name]) for name in distributed})
 
 
 def _tolerance_check(

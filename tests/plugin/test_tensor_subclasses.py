@@ -94,6 +94,44 @@ def test_crosscheck(grad_reference):
     ref.assert_close(*kernel(x, w)[:1], kernel(x, w)[1:])
 
 
+# One side a subclass, the other plain; both of one kind are the tests above.
+MIXED = pytest.mark.parametrize(
+    "reference_kind, actual_kind", [("subclass", "plain"), ("plain", "subclass")]
+)
+
+
+def as_kind(tensor, kind):
+    return wrap(tensor) if kind == "subclass" else tensor
+
+
+@MIXED
+def test_mixed_tolerance(grad_reference, reference_kind, actual_kind):
+    x, w = torch.randn(8, 5), torch.randn(5)
+    ref = grad_reference(
+        loss, as_kind(x, reference_kind), as_kind(w, reference_kind), argnums=(0, 1)
+    )
+    value, gx, gw = kernel(as_kind(x, actual_kind), as_kind(w, actual_kind))
+    assert type(ref.value) is not type(value)
+    ref.assert_close(value, (gx, gw))
+    with pytest.raises(AssertionError, match="1 of 3 items differ") as failure:
+        ref.assert_close(value, (gx, gw * 1.01))
+    assert "gradient of argument 1 (w)" in str(failure.value)
+
+
+@MIXED
+@pytest.mark.gradref(golden=torch.float64, budget=2)
+def test_mixed_budget(grad_reference, reference_kind, actual_kind):
+    x, w = torch.randn(8, 5), torch.randn(5)
+    ref = grad_reference(
+        loss, as_kind(x, reference_kind), as_kind(w, reference_kind), argnums=(0, 1)
+    )
+    value, gx, gw = kernel(as_kind(x, actual_kind), as_kind(w, actual_kind))
+    assert type(ref.golden.value) is not type(value)
+    ref.assert_close(value, (gx, gw))
+    with pytest.raises(AssertionError, match="error vs the float64 golden"):
+        ref.assert_close(value + 1e-3, (gx, gw))
+
+
 def test_plain_actual_against_plain_reference_still_batched(grad_reference):
     x, w = torch.randn(8, 5), torch.randn(5)
     ref = grad_reference(loss, x, w, argnums=(0, 1))
@@ -173,7 +211,8 @@ def wrap(tensor):
     return distribute_tensor(tensor, MESH[0], [placement])
 """
 
-OUTCOMES = {"passed": 6}
+OUTCOMES = {"passed": 10}
+MIXED = ("subclass-plain", "plain-subclass")  # the ids of CHECKS' mixed cases
 
 
 def _check_report(path: Path) -> None:
@@ -186,6 +225,7 @@ def _check_report(path: Path) -> None:
         "test_rounded_budget",
         "test_crosscheck",
         "test_plain_actual_against_plain_reference_still_batched",
+        *(f"test_mixed_{check}[{kinds}]" for check in ("tolerance", "budget") for kinds in MIXED),
     }
     tolerance = tests["test_tolerance"]["items"]
     assert [i["label"] for i in tolerance] == [
@@ -204,6 +244,12 @@ def _check_report(path: Path) -> None:
     assert [i["passed"] for i in rounded] == [True, True, True, True, True, False]
     assert all(i["rounded_error"] >= 0 and "bfloat16-rounded" in i["criterion"] for i in rounded)
     assert len(tests["test_crosscheck"]["crosscheck"]) == 3
+    for kinds in MIXED:
+        mixed = tests[f"test_mixed_tolerance[{kinds}]"]["items"]
+        assert [i["passed"] for i in mixed] == [True] * 5 + [False]
+        assert mixed[5]["max_rel"] == pytest.approx(0.01, rel=1e-3)
+        mixed_budget = tests[f"test_mixed_budget[{kinds}]"]["items"]
+        assert [i["passed"] for i in mixed_budget] == [True, True, True, False, True, True]
 
 
 def test_a_wrapper_subclass_takes_every_route(pytester: pytest.Pytester) -> None:
