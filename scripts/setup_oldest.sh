@@ -6,31 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '[setup_oldest %3ds] %s\n' "$SECONDS" "$*"; }
 
-# The oldest Python comes from pyproject.toml, so raising requires-python moves this env too.
-minor=$(sed -n 's/^requires-python = ">=\(3\.[0-9]*\)"$/\1/p' pyproject.toml)
-if [[ -z "$minor" ]]; then
-    echo 'setup_oldest.sh: expected a line requires-python = ">=3.N" in pyproject.toml' >&2
-    exit 1
-fi
-# The first candidate that runs as that version: pyenv's shims are on PATH for every version
-# but run only the selected ones, so its versions directory is searched as well.
-candidates=("${GRADREF_OLDEST_PYTHON:-}" "$(command -v "python$minor" || true)")
-if command -v pyenv >/dev/null; then
-    candidates+=($(ls -d "$(pyenv root)"/versions/"$minor".*/bin/python 2>/dev/null | sort -rV))
-fi
-python=""
-for candidate in "${candidates[@]}"; do
-    if [[ -n "$candidate" ]] && [[ "$("$candidate" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" == "$minor" ]]; then
-        python="$candidate"
-        break
-    fi
-done
-if [[ -z "$python" ]]; then
-    echo "setup_oldest.sh: no Python $minor found (tried GRADREF_OLDEST_PYTHON, python$minor on" \
-        "PATH and pyenv's versions); install it, e.g. 'pyenv install $minor', or set" \
-        "GRADREF_OLDEST_PYTHON=/path/to/python$minor" >&2
-    exit 1
-fi
+. scripts/oldest_python.sh
+python=$(oldest_python)
 step "Python: $python ($("$python" -c 'import platform; print(platform.python_version())'))"
 rm -rf .venv-oldest
 "$python" -m venv .venv-oldest

@@ -5,6 +5,7 @@ that ``requires-python`` admits."""
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,8 +74,17 @@ def test_the_oldest_environment_pins_every_declared_lower_bound() -> None:
         )
 
 
-def test_requires_python_is_a_bound_that_setup_oldest_reads() -> None:
-    # setup_oldest.sh finds python3.N from this line with sed; a new form must update both.
+def test_requires_python_is_a_bound_that_oldest_python_reads() -> None:
+    # scripts/oldest_python.sh finds python3.N from this line with sed; a new form must update
+    # both.
+    found = subprocess.run(
+        ["bash", "-c", ". scripts/oldest_python.sh && oldest_python_version"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout == f"{_oldest_python()}\n"
     line = f'requires-python = "{_project()["requires-python"]}"'
     assert re.fullmatch(r'requires-python = ">=3\.[0-9]+"', line), line
     assert line in (ROOT / "pyproject.toml").read_text().splitlines()
