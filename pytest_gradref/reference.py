@@ -133,6 +133,9 @@ class Reference:
                 + ("with rtol=/atol=" if rtol is not None or atol is not None else "without one")
                 + ": pass budget=k (or set it in @pytest.mark.gradref) or leave rounded out"
             )
+        for name, value in (("rtol", rtol), ("atol", atol)):
+            if value is not None:  # checked here, so that the message names the argument
+                check_number(value, name, minimum=0)
         extra: tuple[ToleranceOverride, ...] = ()
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
