@@ -212,6 +212,38 @@ def test_param_markers(grad_reference, expected):
     result.assert_outcomes(passed=6)
 
 
+@pytest.mark.parametrize(
+    ("args", "in_subprocess"),
+    [
+        # Resolved at configure time (a device asked for; torch already imported): the header.
+        (["--gradref-device=cpu"], False),
+        # Resolved once a collected test needs it (auto, torch not yet imported): after
+        # collection.
+        ([], True),
+        # The controller resolves and prints; the workers print nothing.
+        (["-n", "2"], False),
+    ],
+    ids=["configure", "after-collection", "xdist"],
+)
+def test_the_header_line_is_printed_once(
+    pytester: pytest.Pytester, args: list[str], in_subprocess: bool
+) -> None:
+    pytester.makepyfile(
+        """
+import pytest
+
+@pytest.mark.parametrize("i", range(2))
+def test_device(gradref_device, i):
+    pass
+"""
+    )
+    run = pytester.runpytest_subprocess if in_subprocess else pytester.runpytest
+    result = run(*args)
+    result.assert_outcomes(passed=2)
+    headers = [line for line in result.stdout.lines if line.startswith("gradref: device=")]
+    assert len(headers) == 1, result.stdout.str()
+
+
 def test_auto_device_header_lists_unavailable_backends(pytester: pytest.Pytester) -> None:
     # A backend that auto tries first and that is never available: it must appear in the
     # header with its reason, whatever the machine (with or without a GPU).
