@@ -18,7 +18,7 @@ where the session reports.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import pytest
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 USE_ATTRIBUTE = "gradref_device_use"
 LISTED = 5  # tests without the device named in the summary (-v names them all)
 # The device's allocation count when the test's setup began (None: the backend counts none).
-_allocations_before = pytest.StashKey[int | None]()
+_allocations_before = pytest.StashKey[Optional[int]]()  # Optional: Python 3.9 evaluates it
 
 
 def device_use(item: pytest.Item, declared: bool, setup: Setup) -> dict[str, Any]:
