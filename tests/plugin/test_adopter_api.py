@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+from _pytester_sources import OLD_STYLE_SQUARE
 
 AUX = """
 import pytest
@@ -389,22 +390,9 @@ def test_parameters_checked_are_chosen(pytester: pytest.Pytester) -> None:
     )
 
 
-KERNELS = """
-import pytest
-import torch
-
-
-class Square(torch.autograd.Function):
-    # the old style, without setup_context: torch.func cannot differentiate it
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
+KERNELS = (
+    OLD_STYLE_SQUARE
+    + """
 
 
 def kernel_a(x):
@@ -441,6 +429,7 @@ def test_kernel_beside_a_crosschecked_reference(grad_reference):
     grad_reference.kernel(kernel_a, x).assert_close(kernel_b(x), 2 * x)
     grad_reference(kernel_b, x).assert_close(kernel_b(x), 2 * x)
 """
+)
 
 
 @pytest.mark.parametrize("strategy", ["crosscheck", "grad_and_value"])

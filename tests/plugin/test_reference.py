@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from _pytester_sources import OLD_STYLE_SQUARE
 
 # Prepended to every generated file: STRATEGIES parametrizes a test over the three strategies.
 PRELUDE = """
@@ -496,22 +497,9 @@ def test_bad_inputs(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=18)
 
 
-FUNCTION_WITHOUT_SETUP_CONTEXT = """
-import pytest
-import torch
-
-
-class Square(torch.autograd.Function):
-    # Old style: forward takes ctx, no setup_context, so torch.func cannot transform it.
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
+FUNCTION_WITHOUT_SETUP_CONTEXT = (
+    OLD_STYLE_SQUARE
+    + """
 
 
 def loss(x):
@@ -534,6 +522,7 @@ def test_the_suggested_marker_works(grad_reference):
     assert ref.strategy == "autograd"
     torch.testing.assert_close(ref.grads, 2 * x)
 """
+)
 
 
 def test_autograd_function_without_setup_context(
