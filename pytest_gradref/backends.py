@@ -133,10 +133,15 @@ class Backend:
         return f"{self.device_type}:{current()}"
 
     def seed(self, seed: int) -> None:
-        """Seed torch's CPU generator and every generator of this device family."""
+        """Seed torch's CPU generator and every generator of this device family.
+
+        Not ``torch.manual_seed``: it also queues a seed for every device family that is not
+        initialised (cuda, xpu, mtia on a CPU build), formatting the caller's stack for each,
+        which at pytest's depth costs more than a small test's whole comparison.
+        """
         import torch
 
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         seed_all = getattr(self._module(), "manual_seed_all", None)
         if seed_all is not None and self.device_type != "cpu":
             seed_all(seed)
