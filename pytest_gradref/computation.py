@@ -311,19 +311,26 @@ def _compute_dtype(
 ) -> ComputeDtype | None:
     """The least precise floating dtype among the inputs that produce the result: every tensor
     argument, differentiated or not (a bf16 teacher rounds the loss as a bf16 student does),
-    tensor keyword arguments, and the module's parameters (checked or not: a frozen bf16
-    reference model rounds the loss too)."""
+    tensors nested in an argument's lists, tuples and dicts, tensor keyword arguments, and the
+    module's parameters (checked or not: a frozen bf16 reference model rounds the loss too)."""
     import torch
+    from torch.utils._pytree import tree_leaves
 
-    positions = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
+    def tensors(value: Any) -> list[torch.Tensor]:
+        return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+    nested = {i: tensors(arg) for i, arg in enumerate(args)}
+    positions = tuple(i for i, found in nested.items() if found)
     labels = _argument_labels(signature_source, len(args), positions)
     candidates = [
-        (label.removeprefix("gradient of "), args[i]) for label, i in zip(labels, positions)
+        (label.removeprefix("gradient of "), tensor)
+        for label, i in zip(labels, positions)
+        for tensor in nested[i]
     ]
     candidates += [
-        (f"keyword argument {name!r}", value)
+        (f"keyword argument {name!r}", tensor)
         for name, value in kwargs.items()
-        if isinstance(value, torch.Tensor)
+        for tensor in tensors(value)
     ]
     if module is not None:
         candidates += [(f"parameter {n!r}", p) for n, p in module.named_parameters()]

@@ -232,13 +232,27 @@ def test_an_input_not_differentiated_counts_too(grad_reference):
     x, teacher = torch.randn(16, generator=gen), torch.randn(16, generator=gen).bfloat16()
     ref = grad_reference(distance, x, teacher, argnums=0)
     assert (ref.compute.dtype, ref.compute.source) == (torch.bfloat16, "argument 1 (teacher)")
+
+
+def mixture(x, teachers, scales):
+    return sum(s * (x - t.float()).square().mean() for t, s in zip(teachers, scales["w"]))
+
+
+def test_tensors_nested_in_arguments_count_too(grad_reference):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(16, generator=gen)
+    teachers = [torch.randn(16, generator=gen), torch.randn(16, generator=gen).half()]
+    ref = grad_reference(mixture, x, teachers, {"w": [1.0, 0.5]}, argnums=0)
+    assert (ref.compute.dtype, ref.compute.source) == (torch.float16, "argument 1 (teachers)")
+    ref = grad_reference(mixture, x, teachers[:1], scales={"w": torch.ones(1).bfloat16()})
+    assert (ref.compute.dtype, ref.compute.source) == (torch.bfloat16, "keyword argument 'scales'")
 """
 
 
 def test_tolerance_follows_the_compute_dtype(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(COMPUTE_DTYPE)
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=3, failed=1)
+    result.assert_outcomes(passed=4, failed=1)
     result.stdout.fnmatch_lines(
         [
             "E * 1 of 3 items differ",
