@@ -284,9 +284,9 @@ def simulation_differs(base: Report, new: Report) -> str:
     which = "new" if new.simulated else "base"
     return (
         f"{which} ran on a simulated device, the other on a real one: the simulation runs the "
-        "CPU's operators and compiled code eagerly, so its changes are the code path's, not "
-        "the device's; shown, not counted as regressions (compare two simulated reports, or "
-        "two real ones, to gate)"
+        "CPU's operators and compiled code eagerly, so its errors' growth is the code path's, "
+        "not the device's; shown, not counted as regressions (compare two simulated reports, "
+        "or two real ones, to gate); a NaN or a failure still counts"
     )
 
 
@@ -367,7 +367,9 @@ def compare(
                 regression="",
             )
             verdict = _verdict(item, threshold)
-            if uncounted_why:
+            # Across a simulated and a real device only growth is the code path's: a NaN or a
+            # failure is one on either device, and counts.
+            if uncounted_why and verdict.startswith("error grew"):
                 diff.items.append(replace(item, uncounted=verdict))
             else:
                 diff.items.append(replace(item, regression=verdict))

@@ -633,6 +633,15 @@ def test_simulated_against_real_shows_changes_without_calling_them_regressions(
         "50.0% -> 50.0%   float32  t.py::test_a: gradient of argument 0 (x)  <- error grew 4x "
         "(not counted: simulated vs real)" in out
     )
+    # A failure or a NaN is one on any device: it counts across simulated and real too.
+    failing = copy.deepcopy(npu)
+    failing["tests"][0]["items"][0]["passed"] = False
+    failing["tests"][1]["items"][1]["max_abs"] = "nan"
+    status, out, _ = _diff(capsys, base, _write(tmp_path / "failing.json", failing))
+    assert status == 1
+    assert "2 regressions in 5 compared items" in out
+    assert "now fails" in out
+    assert "error is now NaN" in out
     # Two simulated reports gate as two real ones do.
     cuda["simulated"] = True
     status, out, _ = _diff(capsys, _write(tmp_path / "sim.json", cuda), new)
