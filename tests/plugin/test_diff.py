@@ -288,6 +288,23 @@ def _on_device(document: dict[str, Any], backend: str, strategy: str) -> dict[st
     return moved
 
 
+def test_a_test_without_references_on_one_side_is_no_strategy_mismatch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An xfailed test that failed before computing a reference records no strategy and no
+    # items: its items are only in the other report, and the reports still compare.
+    cuda = _on_device(BASE, "cuda", "autograd")
+    npu = _on_device(BASE, "npu", "grad_and_value")
+    npu["tests"][0].update(strategies=[], items=[], outcome="xfailed")
+    status, out, _ = _diff(
+        capsys, _write(tmp_path / "b.json", cuda), _write(tmp_path / "n.json", npu)
+    )
+    assert status == 0, out
+    assert "strategies differ" not in out
+    assert "only in base (coverage that vanished): 2" in out
+    assert "t.py::test_a: value" in out
+
+
 def test_device_default_strategies_compare_across_devices(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
