@@ -204,7 +204,7 @@ def _ours_compiled(chunk_size: int, loss_kwargs: dict[str, Any]) -> LossFn:
 
 
 def _eager(loss_kwargs: dict[str, Any]) -> LossFn:
-    return lambda p: jsd_distillation_reference(*p.args(), **loss_kwargs)
+    return lambda p: jsd_distillation_reference(*p.args(), **loss_kwargs, upcast=False)
 
 
 def _liger_impls(chunk_size: int, loss_kwargs: dict[str, Any]) -> list[Impl]:

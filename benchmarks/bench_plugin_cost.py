@@ -10,9 +10,10 @@
    interleaved in one pytest run with ``--junitxml``; each test's time there is its setup +
    call + teardown, so pytest's and torch's start-up are left out, and a first, uncounted test
    takes torch's own first-use costs. Printed: the sums per group and their ratio, per run and
-   the median over runs, without a report (verdicts alone) and with ``--gradref-report``
-   (verdicts and the report's statistics); beside them the hand-written group alone in a run
-   without the plugin.
+   the median over runs, in three modes: the cheapest (``--gradref-verdict=tolerance``, no
+   report: torch.testing's tolerances), the default verdict (a float64 golden and a budget),
+   and the default verdict with ``--gradref-report`` (the report's statistics too); beside
+   them the hand-written group alone in a run without the plugin.
 2. Import. ``import pytest_gradref.plugin`` after ``import pytest``, in fresh interpreters,
    best of several, with the bytecode cache written as an installed package has it; and the
    modules that import loaded (no torch among them).
@@ -229,63 +230,81 @@ def per_test_times(junit: Path) -> dict[str, list[float]]:
     return groups
 
 
+# The modes measured per test: name, what the plugin computes there, its pytest arguments
+# (the report's path is filled in per run).
+MODES = (
+    (
+        "cheapest",
+        "--gradref-verdict=tolerance, no report: torch.testing's tolerance, verdicts alone",
+        ["--gradref-verdict=tolerance"],
+    ),
+    (
+        "default",
+        "the default verdict, no report: the float64 golden too, a budget of 2",
+        [],
+    ),
+    (
+        "report",
+        "the default verdict with --gradref-report: the report's statistics too",
+        ["--gradref-report={report}"],
+    ),
+)
+
+
 def measure_tests(directory: Path, args: argparse.Namespace, env: dict[str, str]) -> None:
     print(f"\n## Per test: {args.tests} tests per group, setup + call + teardown (junit XML)")
     print(
         "plugin / hand: both groups interleaved in one run; the plugin seeds every test, the "
-        "hand-written ones too.\n"
-        "  plain: no report, so assert_close computes verdicts alone;\n"
-        "  report: with --gradref-report, so it computes the report's statistics too.\n"
+        "hand-written ones too (three torch.testing.assert_close, no float64 run). Modes:"
+    )
+    for name, what, _ in MODES:
+        print(f"  {name}: {what}")
+    print(
         "alone: the hand-written group in a run without the plugin (-p no:gradref); its ratio "
         "compares separate runs,\n  so it means something only on an otherwise idle machine."
     )
-    row = "{:>3} {:>12} {:>8} {:>7} {:>13} {:>8} {:>7} {:>8} {:>7}"
-    print(row.format("run", "plain plugin", "hand", "ratio", "report plugin", "hand", "ratio",
-                     "alone", "ratio"))  # fmt: skip
+    header = ["run"]
+    for name, _, _ in MODES:
+        header += [f"{name} plugin", "hand", "ratio"]
+    header += ["alone", "ratio"]
+    print("  ".join(f"{cell:>15}" for cell in header))
     device = f"--gradref-device={args.device}"
-    plain, report, alone = [], [], []
+    ratios: dict[str, list[float]] = {name: [] for name, _, _ in MODES}
+    alone: list[float] = []
+    means: dict[str, float] = {}
     for run in range(args.runs):
-        junit = directory / f"junit{run}.xml"
-        _pytest(directory, ["test_cost.py", f"--junitxml={junit}", device], env)
-        times = per_test_times(junit)
-        junit = directory / f"junit{run}-report.xml"
-        report_args = [f"--gradref-report={directory / f'report{run}.json'}"]
-        _pytest(directory, ["test_cost.py", f"--junitxml={junit}", device, *report_args], env)
-        times_report = per_test_times(junit)
+        cells = [str(run)]
+        cheapest_plugin = 0.0
+        for name, _, extra in MODES:
+            junit = directory / f"junit{run}-{name}.xml"
+            report = directory / f"report{run}.json"
+            mode_args = [arg.format(report=report) for arg in extra]
+            _pytest(directory, ["test_cost.py", f"--junitxml={junit}", device, *mode_args], env)
+            sums = {group: sum(t) for group, t in per_test_times(junit).items()}
+            ratios[name].append(sums["plugin"] / sums["hand"])
+            means[name] = sums["plugin"] / args.tests
+            cells += [f"{sums['plugin']:.3f}", f"{sums['hand']:.3f}", f"{ratios[name][-1]:.3f}"]
+            if name == "cheapest":
+                cheapest_plugin = sums["plugin"]
+                means["hand"] = sums["hand"] / args.tests
         junit = directory / f"junit{run}-alone.xml"
         alone_args = ["test_cost.py", "-k", "hand or warmup", f"--junitxml={junit}"]
         _pytest(directory, alone_args, env, plugin=False)
         hand_alone = sum(per_test_times(junit)["hand"])
-        sums = {group: sum(t) for group, t in times.items()}
-        sums_report = {group: sum(t) for group, t in times_report.items()}
-        plain.append(sums["plugin"] / sums["hand"])
-        report.append(sums_report["plugin"] / sums_report["hand"])
-        alone.append(sums["plugin"] / hand_alone)
-        print(
-            row.format(
-                run,
-                f"{sums['plugin']:.3f}",
-                f"{sums['hand']:.3f}",
-                f"{plain[-1]:.3f}",
-                f"{sums_report['plugin']:.3f}",
-                f"{sums_report['hand']:.3f}",
-                f"{report[-1]:.3f}",
-                f"{hand_alone:.3f}",
-                f"{alone[-1]:.3f}",
-            )
-        )
+        alone.append(cheapest_plugin / hand_alone)
+        cells += [f"{hand_alone:.3f}", f"{alone[-1]:.3f}"]
+        print("  ".join(f"{cell:>15}" for cell in cells))
     median = statistics.median
+    figures = ", ".join(f"{median(ratios[name]):.3f}x {name}" for name, _, _ in MODES)
     print(
-        f"per-test time, plugin / hand-written, one run (target <= 1.10x): "
-        f"{median(plain):.3f}x plain, {median(report):.3f}x with the report "
-        f"(medians over {args.runs} runs)"
+        f"per-test time, plugin / hand-written, one run (target <= 1.10x for the cheapest "
+        f"mode): {figures} (medians over {args.runs} runs)"
     )
-    print(f"per-test time, plugin / hand-written without the plugin: {median(alone):.3f}x")
+    print(f"per-test time, cheapest plugin / hand-written without the plugin: {median(alone):.3f}x")
     print(
-        f"mean per test, plain run {args.runs - 1}: plugin "
-        f"{1e3 * sums['plugin'] / args.tests:.2f} ms, hand-written "
-        f"{1e3 * sums['hand'] / args.tests:.2f} ms; hand-written without the plugin "
-        f"{1e3 * hand_alone / args.tests:.2f} ms"
+        "mean per test, last run: "
+        + ", ".join(f"{name} plugin {1e3 * means[name]:.2f} ms" for name, _, _ in MODES)
+        + f"; hand-written {1e3 * means['hand']:.2f} ms"
     )
 
 

@@ -4,8 +4,9 @@ Runs ``pytest tests/kernels`` on the CPU once per variant (oneDNN's ISA cap, ATe
 capability, thread count, serial or under xdist), writes each run's precision report into
 ``--out``, and compares each with the committed baseline as the CI gate does. For every variant
 it prints the greatest growth of any item's error (the raw ratio, and the ratio the gate judges
-after the noise floor), the share of its allowance the item used, and the gate's verdict: the
-figures behind the gate's threshold and noise share (README, "Precision across CPU hosts").
+after the noise floor, greatest or normwise), the error in rounding steps of the item's dtype at
+its scale, and the gate's verdict: the figures behind the gate's threshold and noise floor
+(README, "Precision across CPU hosts").
 
     python benchmarks/precision_spread.py --out /tmp/spread            # every variant
     python benchmarks/precision_spread.py --out /tmp/spread --variants avx2 one-thread
@@ -79,15 +80,15 @@ def raw_growth(diff: Diff, item: ItemDiff) -> float:
 
 
 def describe_worst(diff: Diff, growth: Callable[[ItemDiff], Any]) -> str:
-    """The item that grew most by ``growth`` (its first number is the growth shown), with the
-    share of its allowance it uses."""
+    """The item that grew most by ``growth`` (its first number is the growth shown), with its
+    error after in rounding steps of its dtype at its scale (the gate's noise unit)."""
     top = max((i for i in diff.items if not math.isnan(i.ratio)), key=growth)
     shown = growth(top)
     shown = shown[0] if isinstance(shown, tuple) else shown
-    return (
-        f"{shown:.3g}x ({top.dtype}, {top.before:.3g} -> {top.after:.3g}, "
-        f"{1 - top.headroom_after:.1%} of its allowance)"
-    )
+    step = top.noise_floor / diff.noise if diff.noise > 0 else math.nan
+    steps = f"{top.after / step:.2g} steps" if step > diff.floor else "no scale"
+    which = ", normwise" if top.normwise else ""
+    return f"{shown:.3g}x ({top.dtype}{which}, {top.before:.3g} -> {top.after:.3g}, {steps})"
 
 
 def main() -> None:
@@ -101,7 +102,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     baseline = load_report(BASELINE)
     print(f"baseline: {BASELINE}: {baseline.describe()}")
-    print(f"gate: threshold {DEFAULT_THRESHOLD:g}x, noise share {DEFAULT_NOISE:g}")
+    print(f"gate: threshold {DEFAULT_THRESHOLD:g}x, noise floor {DEFAULT_NOISE:g} rounding steps")
     print("| variant | greatest raw growth | greatest judged growth | regressions |")
     print("|---|---|---|---|")
     for name in args.variants:

@@ -1,7 +1,8 @@
 """The ``pytest-gradref`` command (also ``python -m pytest_gradref``).
 
 ``pytest-gradref diff BASE.json NEW.json`` compares two precision reports. Exit status: 0 no
-regression, 1 a regression, 2 unusable input (the message says why).
+regression, 1 a regression, 2 unusable input, including two reports with no item in common
+(the message says why).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         help="compare two --gradref-report files item by item",
         description=(
             "Compare two --gradref-report files item by item, worst first. Exit status: 0 no "
-            "regression, 1 a regression, 2 unusable input."
+            "regression, 1 a regression, 2 unusable input (also: no item in both reports)."
         ),
     )
     diff.add_argument("base", metavar="BASE.json", help="the report to compare against")
@@ -68,8 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         "--noise",
         type=_number(0),
         default=DEFAULT_NOISE,
-        help=f"errors below this share of their item's allowance (tolerance or budget) count "
-        f"as that share: changes of rounding noise are not regressions "
+        help=f"errors below this many rounding steps of their item's dtype at its scale (the "
+        f"float64 golden's greatest magnitude) count as that many: changes of rounding noise "
+        f"are not regressions; normwise errors likewise, in steps of the dtype "
         f"(default {DEFAULT_NOISE:g})",
     )
     diff.add_argument(
@@ -111,6 +113,10 @@ def _diff(args: argparse.Namespace) -> int:
         )
     except (UnusableInput, PlotUnavailable) as error:
         print(f"pytest-gradref diff: error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    why = result.nothing_compared()
+    if why:  # "0 regressions" of nothing must not pass a gate
+        print(f"pytest-gradref diff: error: nothing to compare: {why}", file=sys.stderr)
         return EXIT_UNUSABLE
     sys.stdout.write(render(result, args.format, args.top))
     if args.plot:

@@ -3,7 +3,9 @@
 At the end of the session (on the xdist controller, which holds every test's records) the
 run's report is compared item by item with the baseline, as ``pytest-gradref diff`` compares
 two files: the terminal summary names the items whose error grew beyond the threshold, and
-``--gradref-baseline-fail`` makes them fail the session with its own exit status.
+``--gradref-baseline-fail`` makes them fail the session with its own exit status. A baseline
+that judged nothing (no test in common, or no item) is never a pass: the summary warns, and
+``--gradref-baseline-fail`` fails the session with the same status.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pytest_gradref.report import ReportCollector
 from pytest_gradref.settings import (
     BASELINE_FAIL_OPTION,
     BASELINE_OPTION,
+    BASELINE_REFRESH_INI,
     BASELINE_REGRESSION_EXIT,
     BASELINE_THRESHOLD_OPTION,
 )
@@ -48,6 +51,9 @@ class BaselineGate:
     fail: bool
     diff: Diff | None = None
     problem: str = ""
+    # The project's command that writes the baseline again (the gradref_baseline_refresh ini
+    # key), named where the run has items the baseline lacks.
+    refresh: str = ""
 
     @classmethod
     def from_config(cls, config: pytest.Config, collector: ReportCollector) -> BaselineGate:
@@ -71,7 +77,11 @@ class BaselineGate:
                 "write the baseline again"
             )
         return cls(
-            baseline, collector, threshold, bool(config.getoption(BASELINE_FAIL_OPTION.dest))
+            baseline,
+            collector,
+            threshold,
+            bool(config.getoption(BASELINE_FAIL_OPTION.dest)),
+            refresh=str(config.getini(BASELINE_REFRESH_INI)).strip(),
         )
 
     @pytest.hookimpl(trylast=True)
@@ -85,19 +95,51 @@ class BaselineGate:
             )
         except UnusableInput as error:
             self.problem = str(error)
-        failed = self.problem or (self.diff is not None and self.diff.regressions)
+        if self.diff is not None and not self.problem:
+            self.problem = self.diff.nothing_compared()
+        failed = self.problem or (
+            self.diff is not None and (self.diff.regressions or self.ungated())
+        )
         if self.fail and failed and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = BASELINE_REGRESSION_EXIT
 
+    def ungated(self) -> list[str]:
+        """The tests and items this run recorded that the baseline lacks: no change of theirs
+        can be judged, so a gate that let them by would pass on them unseen."""
+        if self.diff is None:
+            return []
+        with_items = {r["nodeid"] for r in self.collector.tests() if r.get("items")}
+        return [
+            missing.describe()
+            for missing in self.diff.only_in_new
+            if missing.label is not None or missing.nodeid in with_items
+        ]
+
+    def refresh_hint(self) -> str:
+        """How to write the baseline again: the project's own command (the ini key) or the
+        option that writes it."""
+        if self.refresh:
+            return f"refresh the baseline with `{self.refresh}` and commit it"
+        return (
+            f"write the baseline again from this suite with --gradref-report={self.baseline.path} "
+            f"(set the {BASELINE_REFRESH_INI} ini key to name the project's refresh command)"
+        )
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         terminalreporter.section("gradref baseline")
+        markup = {"red" if self.fail else "yellow": True} if self.problem else {}
         for line in self.summary_lines():
-            terminalreporter.write_line(line)
+            terminalreporter.write_line(line, **markup)
 
     def summary_lines(self) -> list[str]:
         source = self.baseline.path
-        if self.problem:
-            return [f"not compared with {source}: {self.problem}"]
+        if self.problem:  # nothing was judged: never a line that reads as a pass
+            consequence = (
+                f"the session fails (exit status {BASELINE_REGRESSION_EXIT})"
+                if self.fail
+                else "this run's precision went unchecked (--gradref-baseline-fail fails it)"
+            )
+            return [f"WARNING: nothing judged against {source}: {self.problem}; {consequence}"]
         if self.diff is None:
             return []
         diff = self.diff
@@ -119,4 +161,17 @@ class BaselineGate:
             )
         for missing in diff.only_in_base:
             lines.append(f"  missing from this run: {missing.describe()}")
+        ungated = self.ungated()
+        if ungated:
+            consequence = (
+                f"; the session fails (exit status {BASELINE_REGRESSION_EXIT})" if self.fail else ""
+            )
+            lines.append(
+                f"{len(ungated)} tests or items of this run are not in the baseline, so no "
+                f"change of theirs is gated: {self.refresh_hint()}{consequence}"
+            )
+            shown = 10
+            lines += [f"  not in the baseline: {name}" for name in ungated[:shown]]
+            if len(ungated) > shown:
+                lines.append(f"  ... and {len(ungated) - shown} more")
         return lines

@@ -106,14 +106,27 @@ def resolve_tolerance(
     return ResolvedTolerance(Tolerance(rtol=rtol, atol=atol), source)
 
 
-# The budget's floor, in rounding steps (machine epsilons) of the item's dtype at its largest
-# golden magnitude. Half precision: one step, the resolution of the dtype itself; a looser
+# The budget of the default verdict (--gradref-verdict=golden) where a test sets none: a
+# kernel may err up to twice as much as the same-dtype reference, greatest and normwise.
+DEFAULT_BUDGET = 2.0
+
+# The budget's floor, in rounding steps (machine epsilons) of the reference's dtype at the
+# item's scale (its largest golden magnitude; for a scalar value the sum of its first-order
+# terms where larger). Half precision: one step, the resolution of the dtype itself; a looser
 # floor would let a real bug hide under it, since bf16 references already err by a few steps.
 # float32 and float64: 16 steps (2e-6 relative in float32, about torch.testing's own float32
 # rtol of 1.3e-6): a kernel that reduces thousands of terms in another order legitimately
 # differs by several steps, while a float32 reference can land within a step of the golden
-# by chance (a scalar loss, typically).
+# by chance (a scalar loss, typically). Not the compute dtype's steps: a float32 loss of bf16
+# inputs judged in bf16 steps could grow its error 20,000 times unseen.
 FLOOR_ULPS: Mapping[str, float] = {"float16": 1, "bfloat16": 1, "float32": 16, "float64": 16}
+
+# A scalar value's floor is at least this many times the spread of its error under one more
+# rounding of each input at the compute dtype (BudgetItem.condition): a single rounding error
+# of the reference is one draw of that spread, as likely small as not, and a kernel's error
+# of the same spread exceeds twice a small draw often. Four spreads: a false failure in fewer
+# than one in ten thousand values of a correct kernel.
+SPREAD_SIGMAS = 4.0
 
 
 def epsilon(dtype: torch.dtype) -> float:
@@ -156,6 +169,13 @@ class ItemCheck:
     passed: bool
     detail: str = ""
     rounded_error: float | None = None
+    # ||actual - golden|| / ||golden|| (2-norms) for a budget, ||actual - expected|| /
+    # ||expected|| for a tolerance with statistics; NaN where not computed.
+    norm_rel: float = math.nan
+    # The item's magnitude, in which its error is read in units of its dtype (the gate's
+    # noise model, diff.py): the golden's greatest finite magnitude (or, for a scalar value,
+    # the sum of its first-order terms where larger), else the expected's; NaN where unknown.
+    scale: float = math.nan
 
 
 # What a failure says of an item whose actual result is None.
@@ -171,6 +191,8 @@ class ToleranceItem:
     expected: torch.Tensor
     resolved: ResolvedTolerance
     missing: str = MISSING_HINT
+    # False: an actual less precise than the expected is judged, not failed on its dtype.
+    check_dtype: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,6 +211,15 @@ class BudgetItem:
     # The reference rounded to the compute dtype after every operation (rounding.py), where
     # asked for: the budget then counts from the larger of its error and the reference's.
     rounded: torch.Tensor | None = None
+    check_dtype: bool = True
+    # For a scalar value: its first-order terms x * dvalue/dx over the differentiated inputs,
+    # in the golden's precision, as [sum of magnitudes, 2-norm] (a tensor where the golden
+    # is). A value that is a sum of terms that cancel can be off by a few rounding steps of the
+    # terms, not of the sum: the floor's scale is the larger of the first and |golden|. And a
+    # kernel may round intermediates the size of its inputs at the compute dtype (a bf16
+    # matmul's logits), which moves the value by about u / sqrt(3) times the second (u the
+    # compute dtype's unit roundoff): the floor is at least SPREAD_SIGMAS times that.
+    condition: torch.Tensor | None = None
 
 
 Item = Union[ToleranceItem, BudgetItem]
@@ -206,7 +237,8 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
 
     With ``statistics=False`` a tolerance check computes its verdict alone (torch.testing's
     cost), for runs that neither report nor show the statistics; a budget's statistics are
-    its criterion, so they are computed either way.
+    its criterion, so they are computed either way. An actual result less precise than its
+    reference fails on its dtype (``check_dtype``), before any statistics.
     """
     __tracebackhide__ = True
     import torch
@@ -217,6 +249,8 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     for position, item in enumerate(items):
         expected = item.expected if isinstance(item, ToleranceItem) else item.reference
         problem = _shape_problem(item.label, item.actual, expected, item.missing)
+        if problem is None and item.check_dtype:
+            problem = _dtype_problem(item.label, item.actual, expected)
         if problem is not None:
             checks[position] = problem
             continue
@@ -294,19 +328,22 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
     exact = diff == 0
     max_abs = diff.max()
     max_rel = torch.where(exact, 0.0, diff / magnitude).max()
+    norms = torch.stack([diff.norm(), _finite(magnitude).norm()])
+    scale = _finite(magnitude).max()
     used = diff.div_(magnitude.mul_(tol.rtol).add_(tol.atol))
     if tol.atol == 0:  # equal zeros would divide 0 by 0
         used = torch.where(exact, 0.0, used)
-    return torch.stack([max_abs, max_rel, used.max()])
+    return torch.cat([torch.stack([max_abs, max_rel, used.max(), scale]), norms])
 
 
 def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
-    """The actual's greatest error vs the golden, its greatest relative error, the
-    reference's greatest error vs the golden, the golden's greatest finite magnitude and, with
-    a rounded reference, its greatest error vs the golden: as a float64 tensor where the golden
-    is, or None for an item the batched pass leaves out. NaN anywhere makes an error NaN (a
-    NaN golden makes all NaN), which fails the item; which side held it is looked up for the
-    failure message only."""
+    """As a float64 tensor where the golden is: the actual's greatest error vs the golden,
+    its greatest relative error, the item's scale (the golden's greatest finite magnitude, or
+    the value's first-order terms where larger), the norms of the actual's error and of the
+    golden, then the greatest error and the norm of the error of the reference and, where
+    there is one, of the rounded reference. None for an item the batched pass leaves out. NaN
+    anywhere makes an error NaN (a NaN golden makes all NaN), which fails the item; which side
+    held it is looked up for the failure message only."""
     import torch
 
     actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
@@ -315,15 +352,26 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     if not _batchable(actual, *references, golden, on=golden.device):
         return None
     if golden.numel() == 0:
-        return torch.zeros(3 + len(references), dtype=torch.float64, device=golden.device)
+        return torch.zeros(6 + 2 * len(references), dtype=torch.float64, device=golden.device)
     own, golden_magnitude = difference(actual, golden)
     own_rel = torch.where(own == 0, 0.0, own / golden_magnitude).max()
-    ref, _ = difference(reference, golden)
-    scale = golden_magnitude.nan_to_num_(nan=0.0, posinf=0.0).max()
-    numbers = [own.max(), own_rel, ref.max(), scale]
-    if rounded is not None:
-        numbers.append(difference(rounded, golden)[0].max())
+    finite = _finite(golden_magnitude)
+    scale = finite.max()
+    spread = torch.zeros_like(scale)
+    if item.condition is not None:
+        condition = item.condition.to(scale)
+        scale, spread = torch.maximum(scale, condition[0]), condition[1]
+    numbers = [own.max(), own_rel, scale, own.norm(), finite.norm(), spread]
+    for other in references:
+        error, _ = difference(other, golden)
+        numbers += [error.max(), error.norm()]
     return torch.stack(numbers)
+
+
+def _finite(magnitude: torch.Tensor) -> torch.Tensor:
+    """Magnitudes with NaN and infinities as 0: the scale of what the item can be measured
+    by (an infinity matched exactly is no error, and it sets no scale)."""
+    return magnitude.nan_to_num(nan=0.0, posinf=0.0)
 
 
 def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,33 +403,85 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
         if len(values) == 1:  # the verdict without statistics
             nan = float("nan")
             return _tolerance_check(item, nan, nan, nan, passed=values[0] == 0)
-        max_abs, max_rel, used = values
+        max_abs, max_rel, used, scale, diff_norm, expected_norm = values
         promoted = torch.promote_types(actual.dtype, item.expected.dtype)
         clear = used <= 1 - _CONFIRM_STEPS * epsilon(promoted)  # False for NaN
-        return _tolerance_check(item, max_abs, max_rel, used, passed=True if clear else None)
-    own_abs, own_rel, ref_abs, scale, *rounded_abs = values
-    return _budget_check(item, own_abs, own_rel, ref_abs, scale, *rounded_abs)
+        return _tolerance_check(
+            item,
+            max_abs,
+            max_rel,
+            used,
+            passed=True if clear else None,
+            norm_rel=_ratio(diff_norm, expected_norm),
+            scale=scale,
+        )
+    own_abs, own_rel, scale, own_norm, golden_norm, spread, *references = values
+    errors = BudgetErrors(own_abs, own_rel, own_norm, golden_norm, scale, spread, *references)
+    return _budget_check(item, errors)
+
+
+def _ratio(error: float, magnitude: float) -> float:
+    """A relative error: 0 for no error (even of a zero), inf for an error of a zero."""
+    if error == 0:
+        return 0.0
+    return error / magnitude if magnitude > 0 else math.inf
+
+
+@dataclass(frozen=True)
+class BudgetErrors:
+    """What a budget judges, read to the host: the actual's greatest and normwise error vs
+    the golden, the golden's norm and the item's scale (see ``_budget_stats``), and the same
+    two errors of the reference and of the rounded reference (None without one)."""
+
+    own_max: float
+    own_rel: float
+    own_norm: float
+    golden_norm: float
+    scale: float
+    spread: float  # the 2-norm of a scalar value's first-order terms (0 for other items)
+    reference_max: float
+    reference_norm: float
+    rounded_max: float | None = None
+    rounded_norm: float | None = None
 
 
 def _check_alone(item: Item) -> ItemCheck:
     """An item outside the batched pass (complex, sparse, across devices, tensor
     subclasses...), by itself, with a host read per statistic."""
-    import torch
 
     item = _full_where_mixed(item)
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
         stats = _stats(actual, item.expected, item.resolved.tolerance)
-        return _tolerance_check(item, stats.max_abs, stats.max_rel, stats.used, passed=None)
+        return _tolerance_check(
+            item,
+            stats.max_abs,
+            stats.max_rel,
+            stats.used,
+            passed=None,
+            norm_rel=_ratio(stats.norm, stats.magnitude_norm),
+            scale=stats.scale,
+        )
     own = _stats(actual, item.golden)
     ref = _stats(item.reference, item.golden)
-    golden = item.golden.detach()
-    # A mask, not boolean indexing: a sharded DTensor cannot index by a data-dependent shape.
-    finite = torch.where(golden.isfinite(), golden.abs(), 0.0)
-    scale = float(finite.max()) if finite.numel() else 0.0
-    rounded_abs = None if item.rounded is None else _stats(item.rounded, item.golden).max_abs
-    return _budget_check(item, own.max_abs, own.max_rel, ref.max_abs, scale, rounded_abs)
+    scale, spread = own.scale, 0.0
+    if item.condition is not None:
+        scale, spread = max(scale, float(item.condition[0])), float(item.condition[1])
+    rounded = None if item.rounded is None else _stats(item.rounded, item.golden)
+    errors = BudgetErrors(
+        own.max_abs,
+        own.max_rel,
+        own.norm,
+        own.magnitude_norm,
+        scale,
+        spread,
+        ref.max_abs,
+        ref.norm,
+        None if rounded is None else rounded.max_abs,
+        None if rounded is None else rounded.norm,
+    )
+    return _budget_check(item, errors)
 
 
 def _full_where_mixed(item: Item) -> Item:
@@ -402,7 +502,13 @@ def _full_where_mixed(item: Item) -> Item:
 
 
 def _tolerance_check(
-    item: ToleranceItem, max_abs: float, max_rel: float, used: float, passed: bool | None
+    item: ToleranceItem,
+    max_abs: float,
+    max_rel: float,
+    used: float,
+    passed: bool | None,
+    norm_rel: float = math.nan,
+    scale: float = math.nan,
 ) -> ItemCheck:
     """torch.testing.assert_close writes the failure detail; it runs when the item failed
     (``passed`` False) or when no verdict was computed yet (None)."""
@@ -411,7 +517,7 @@ def _tolerance_check(
     actual = item.actual
     assert actual is not None
     tol = item.resolved.tolerance
-    dtype = dtype_name(less_precise(actual.dtype, item.expected.dtype))
+    dtype = dtype_name(item.expected.dtype)  # judged at the reference's dtype
     criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {item.resolved.source}"
     detail = ""
     if not passed:
@@ -428,6 +534,7 @@ def _tolerance_check(
             passed = True
         except AssertionError as error:
             detail = f"{str(error).strip()}\ntolerance {criterion}"
+            detail += _all_zero_hint(item.expected, actual)
             passed = False
         except RuntimeError as error:
             # torch.testing itself failed on this tensor type (torch 2.6 on a DTensor, while
@@ -446,82 +553,185 @@ def _tolerance_check(
                     f"{type(actual).__name__}: {str(error).splitlines()[0]})\ntolerance {criterion}"
                 )
             )
-    return ItemCheck(item.label, dtype, max_abs, max_rel, criterion, 1 - used, passed, detail)
-
-
-def _budget_check(
-    item: BudgetItem,
-    own_abs: float,
-    own_rel: float,
-    ref_abs: float,
-    scale: float,
-    rounded_abs: float | None = None,
-) -> ItemCheck:
-    """Pass when |actual - golden| <= budget * |reference - golden| + floor (greatest
-    elements; ``scale``, the golden's greatest finite magnitude, sets the floor), which a NaN
-    on any side fails; with a rounded reference the larger of its error and the reference's
-    counts, and the criterion names both and which one set the allowance. The worst element's
-    index and the sides holding NaN are looked up for the message of a failure."""
-    actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
-    assert actual is not None
-    dtype = less_precise(actual.dtype, reference.dtype)
-    golden_name = dtype_name(golden.dtype)
-    floor_dtype = dtype
-    if item.compute_dtype is not None:
-        floor_dtype = less_precise(dtype, item.compute_dtype)
-    floor = FLOOR_ULPS.get(dtype_name(floor_dtype), 1) * epsilon(floor_dtype) * scale
-    floor_text = f"floor {floor:.3g}"
-    if floor_dtype != dtype:
-        floor_text += f" ({dtype_name(floor_dtype)} steps: the compute dtype)"
-    # The error the budget counts from, whose it is, and the other reference's (rounded).
-    basis, basis_name = ref_abs, f"the {dtype_name(reference.dtype)} reference"
-    other = ""
-    if rounded_abs is not None:
-        rounded_dtype = item.compute_dtype if item.compute_dtype is not None else dtype
-        rounded_name = f"the {dtype_name(rounded_dtype)}-rounded reference"
-        # A NaN error on either side becomes the basis, so the allowance is NaN and fails.
-        if math.isnan(rounded_abs) or rounded_abs > ref_abs:
-            other = f"{basis_name}'s is {ref_abs:.3g}"
-            basis, basis_name = rounded_abs, rounded_name
-        else:
-            other = f"{rounded_name}'s is {rounded_abs:.3g}"
-    allowed = budget * basis + floor
-    if allowed > 0 or math.isnan(allowed):
-        used = own_abs / allowed
-    else:
-        used = 0.0 if own_abs == 0 else math.inf
-    passed = own_abs <= allowed  # False where either error is NaN
-    ratio = own_abs / basis if basis > 0 else float("inf")
-    larger = f", the larger: {other}" if other else ""
-    criterion = (
-        f"budget {budget:g}x {basis_name}'s error vs the {golden_name} golden "
-        f"({basis:.3g}{larger}) + {floor_text}"
-    )
-    detail = ""
-    if not passed:
-        worst_index = _worst_index(actual, golden)
-        sides = [("actual result", actual), ("reference", reference), ("golden", golden)]
-        if item.rounded is not None:
-            sides.append(("rounded reference", item.rounded))
-        nan_sides = [side for side, t in sides if bool(t.detach().isnan().any())]
-        ratio_text = f"{ratio:.3g}x" if basis > 0 else "infinitely many times"
-        detail = (
-            f"error vs the {golden_name} golden: {own_abs:.3g} at index {worst_index} "
-            f"(greatest relative {own_rel:.3g}), {ratio_text} {basis_name}'s own error "
-            f"{basis:.3g}{f' ({other})' if other else ''}; "
-            f"allowed: budget {budget:g} x {basis:.3g} + {floor_text} "
-            f"= {allowed:.3g}" + "".join(f" (the {side} has NaN)" for side in nan_sides)
-        )
     return ItemCheck(
         item.label,
-        dtype_name(dtype),
-        own_abs,
-        own_rel,
+        dtype,
+        max_abs,
+        max_rel,
         criterion,
         1 - used,
         passed,
         detail,
-        rounded_abs,
+        norm_rel=norm_rel,
+        scale=scale,
+    )
+
+
+def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
+    """Pass when the actual's error vs the golden is at most ``budget`` times the reference's
+    own error plus a floor, both greatest and normwise:
+
+        max|actual - golden| <= budget * max|reference - golden| + floor
+        ||actual - golden||  <= budget * ||reference - golden||  + floor
+
+    The greatest error catches a wrong element; the norm catches an error spread thinly over
+    many (a 1% scale error of a bf16 gradient leaves every element within its rounding, but
+    its norm four times the reference's). The floor is FLOOR_ULPS rounding steps of the
+    reference's dtype at the item's scale; in a norm it is the error of one element off by
+    the floor, so a scalar's two criteria are one. With a rounded reference the larger of its
+    errors and the reference's counts, and the criterion names both. NaN on any side fails.
+    The worst element's index and the sides holding NaN are looked up for a failure's message.
+    """
+    actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
+    assert actual is not None
+    dtype = reference.dtype  # judged at the reference's precision
+    golden_name = dtype_name(golden.dtype)
+    # The floor's steps are the reference's dtype's; with a rounded reference, which says the
+    # kernel computes in the compute dtype, that dtype's where coarser (a bf16 kernel's float32
+    # sum carries bf16 rounding, which the rounded reference may miss by luck).
+    floor_dtype = dtype
+    if item.rounded is not None and item.compute_dtype is not None:
+        floor_dtype = less_precise(dtype, item.compute_dtype)
+    steps = FLOOR_ULPS.get(dtype_name(floor_dtype), 1)
+    floor = steps * epsilon(floor_dtype) * errors.scale
+    floor_text = f"floor {floor:.3g}"
+    floor_why = f"{steps:g} {dtype_name(floor_dtype)} steps at the item's scale {errors.scale:.3g}"
+    spread_dtype = item.compute_dtype if item.compute_dtype is not None else dtype
+    spread_floor = SPREAD_SIGMAS * epsilon(spread_dtype) / 2 / math.sqrt(3) * errors.spread
+    if spread_floor > floor:
+        floor = spread_floor
+        floor_text = f"floor {floor:.3g}"
+        floor_why = (
+            f"{SPREAD_SIGMAS:g} times the spread of the value's error under one more "
+            f"{dtype_name(spread_dtype)} rounding of each input"
+        )
+    floor_norm = floor
+    if epsilon(actual.dtype) > epsilon(dtype):
+        # A less precise actual let through by check_dtype=False: judged at the reference's
+        # precision, but no result of its dtype can be nearer than its own rounding, at most
+        # half a step of each element (so, in a norm, of the golden's norm).
+        rounding = epsilon(actual.dtype) / 2
+        floor = max(floor, rounding * errors.scale)
+        floor_norm = max(floor, rounding * errors.golden_norm)
+        floor_text = (
+            f"floor {floor:.3g} (normwise {floor_norm:.3g}: the {dtype_name(actual.dtype)} "
+            "result's own rounding)"
+        )
+    # The errors the budget counts from, whose they are, and the other reference's (rounded).
+    basis_max, basis_norm = errors.reference_max, errors.reference_norm
+    basis_name = f"the {dtype_name(reference.dtype)} reference"
+    other = ""
+    if errors.rounded_max is not None and errors.rounded_norm is not None:
+        rounded_dtype = item.compute_dtype if item.compute_dtype is not None else dtype
+        rounded_name = f"the {dtype_name(rounded_dtype)}-rounded reference"
+        rounded_max, rounded_norm = errors.rounded_max, errors.rounded_norm
+        # A NaN error on either side becomes the basis, so the allowance is NaN and fails.
+        if math.isnan(rounded_max) or rounded_max > basis_max:
+            other = f"{basis_name}'s is {basis_max:.3g}"
+            basis_max, basis_norm = rounded_max, max(rounded_norm, basis_norm)
+            basis_name = rounded_name
+        else:
+            other = f"{rounded_name}'s is {rounded_max:.3g}"
+            basis_norm = max(rounded_norm, basis_norm)
+    allowed_max = budget * basis_max + floor
+    allowed_norm = budget * basis_norm + floor_norm
+    used = max(_share(errors.own_max, allowed_max), _share(errors.own_norm, allowed_norm))
+    # False where an error is NaN.
+    passed = errors.own_max <= allowed_max and errors.own_norm <= allowed_norm
+    larger = f", the larger: {other}" if other else ""
+    criterion = (
+        f"budget {budget:g}x {basis_name}'s error vs the {golden_name} golden, greatest and "
+        f"normwise ({basis_max:.3g} and {basis_norm:.3g}{larger}) + {floor_text} "
+        f"({floor_why})"
+    )
+    detail = ""
+    if not passed:
+        detail = _budget_failure(
+            item,
+            errors,
+            basis_name,
+            other,
+            floor_text,
+            ((basis_max, allowed_max), (basis_norm, allowed_norm)),
+        )
+    return ItemCheck(
+        item.label,
+        dtype_name(dtype),
+        errors.own_max,
+        errors.own_rel,
+        criterion,
+        1 - used,
+        passed,
+        detail,
+        errors.rounded_max,
+        norm_rel=_ratio(errors.own_norm, errors.golden_norm),
+        scale=errors.scale,
+    )
+
+
+def _share(error: float, allowed: float) -> float:
+    """The share of an allowance an error uses (NaN for a NaN allowance)."""
+    if allowed > 0 or math.isnan(allowed):
+        return error / allowed
+    return 0.0 if error == 0 else math.inf
+
+
+def _budget_failure(
+    item: BudgetItem,
+    errors: BudgetErrors,
+    basis_name: str,
+    other: str,
+    floor_text: str,
+    bases: tuple[tuple[float, float], tuple[float, float]],
+) -> str:
+    """A failed budget's message: each criterion that failed, with the errors, their ratio and
+    what was allowed; the sides that hold NaN; an all-zero reference of a nonzero golden."""
+    actual, golden, budget = item.actual, item.golden, item.budget
+    assert actual is not None
+    golden_name = dtype_name(golden.dtype)
+    (basis_max, allowed_max), (basis_norm, allowed_norm) = bases
+    also = f" ({other})" if other else ""
+    lines = []
+    if not errors.own_max <= allowed_max:
+        lines.append(
+            f"greatest error vs the {golden_name} golden: {errors.own_max:.3g} at index "
+            f"{_worst_index(actual, golden)} (greatest relative {errors.own_rel:.3g}), "
+            f"{_times(errors.own_max, basis_max)} {basis_name}'s own {basis_max:.3g}{also}; "
+            f"allowed: budget {budget:g} x {basis_max:.3g} + {floor_text} = {allowed_max:.3g}"
+        )
+    if not errors.own_norm <= allowed_norm:
+        relative = _ratio(errors.own_norm, errors.golden_norm)
+        lines.append(
+            f"normwise error vs the {golden_name} golden: {errors.own_norm:.3g} (relative "
+            f"{relative:.3g}), {_times(errors.own_norm, basis_norm)} {basis_name}'s own "
+            f"{basis_norm:.3g}; allowed: budget {budget:g} x {basis_norm:.3g} + floor "
+            f"= {allowed_norm:.3g}"
+        )
+    sides = [("actual result", actual), ("reference", item.reference), ("golden", golden)]
+    if item.rounded is not None:
+        sides.append(("rounded reference", item.rounded))
+    nan_sides = [side for side, t in sides if bool(t.detach().isnan().any())]
+    text = "\n".join(lines) + "".join(f" (the {side} has NaN)" for side in nan_sides)
+    return text + _all_zero_hint(item.reference, actual)
+
+
+def _times(error: float, basis: float) -> str:
+    return f"{error / basis:.3g}x" if basis > 0 else "infinitely many times"
+
+
+def _all_zero_hint(reference: torch.Tensor, actual: torch.Tensor | None) -> str:
+    """Where the reference is all zero and the actual is not: most often a reference function
+    that detaches the input or does not use it differentiably."""
+    import torch
+
+    reference = reference.detach()
+    if reference.numel() == 0 or bool(torch.any(reference != 0)):
+        return ""
+    if actual is None or not bool(torch.any(actual.detach() != 0)):
+        return ""
+    return (
+        "\nthe reference is all zero: does the reference function use this input "
+        "differentiably (no .detach(), .item(), .numpy() or integer casts on its path)?"
     )
 
 
@@ -530,26 +740,38 @@ class _Stats:
     max_abs: float
     max_rel: float
     used: float  # greatest share of the tolerance used by one element (0 without one)
+    norm: float  # ||actual - expected||
+    magnitude_norm: float  # ||expected||, finite elements
+    scale: float  # max|expected|, finite elements
 
 
 def _stats(
     actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance | None = None
 ) -> _Stats:
-    """Greatest absolute and relative difference, computed in float64 on expected's device,
-    and with a tolerance the greatest |a - e| / (atol + rtol * |e|); with host reads, for the
-    items the batched pass leaves out."""
+    """Greatest absolute and relative difference and the norms, computed in float64 on
+    expected's device, and with a tolerance the greatest |a - e| / (atol + rtol * |e|); with
+    host reads, for the items the batched pass leaves out."""
     import torch
 
     diff, magnitude = difference(actual, expected)
     if diff.numel() == 0:
-        return _Stats(0.0, 0.0, 0.0)
+        return _Stats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     zero = torch.zeros_like(diff)
     relative = torch.where(diff == 0, zero, diff / magnitude)
     used = 0.0
     if tolerance is not None:
         allowed = tolerance.atol + tolerance.rtol * magnitude
         used = float(torch.where(diff == 0, zero, diff / allowed).max())
-    return _Stats(float(diff.max()), float(relative.max()), used)
+    # A mask, not boolean indexing: a sharded DTensor cannot index by a data-dependent shape.
+    finite = torch.where(magnitude.isfinite(), magnitude, zero)
+    return _Stats(
+        float(diff.max()),
+        float(relative.max()),
+        used,
+        float(diff.norm()),
+        float(finite.norm()),
+        float(finite.max()),
+    )
 
 
 def _worst_index(actual: torch.Tensor, expected: torch.Tensor) -> str:
@@ -580,6 +802,25 @@ def _shape_problem(
             label, dtype, float("nan"), float("nan"), "-", float("-inf"), False, detail
         )
     return None
+
+
+def _dtype_problem(
+    label: str, actual: torch.Tensor | None, expected: torch.Tensor
+) -> ItemCheck | None:
+    """A failed check where the actual result is less precise than its reference: judged at
+    its own dtype's tolerance it would pass a float32 test with a bf16 result."""
+    if actual is None or not (is_inexact(actual.dtype) and is_inexact(expected.dtype)):
+        return None
+    if epsilon(actual.dtype) <= epsilon(expected.dtype):
+        return None
+    detail = (
+        f"dtype: the result is {dtype_name(actual.dtype)}, less precise than the reference's "
+        f"{dtype_name(expected.dtype)}. A kernel that returns a lower precision on purpose "
+        "says so with check_dtype=False (on assert_close or @pytest.mark.gradref); the item "
+        f"is then judged at the reference's precision, {dtype_name(expected.dtype)}"
+    )
+    name = dtype_name(expected.dtype)
+    return ItemCheck(label, name, math.nan, math.nan, "dtype", -math.inf, False, detail)
 
 
 def format_failures(header: str, checks: Sequence[ItemCheck]) -> str:

@@ -24,6 +24,7 @@ from pytest_gradref.golden import (
     check_golden_obtained,
     golden_problem,
     obtained_dtype,
+    value_condition,
 )
 from pytest_gradref.policy import CheckPolicy, ComputeDtype
 from pytest_gradref.recording import Disagreement
@@ -55,6 +56,7 @@ def compute_reference(
     golden_device: torch.device | None = None,
     params: ParamSelection = None,
     rounded: bool = False,
+    default_golden: torch.dtype | None = None,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
@@ -66,7 +68,9 @@ def compute_reference(
     differentiated and checked (names, or a predicate of name and parameter); by default
     those that require grad. ``rounded=True`` (which needs ``golden``) also runs the primary
     strategy with every floating-point result rounded to the compute dtype, for budgets that
-    count from the larger of the two references' errors.
+    count from the larger of the two references' errors. ``default_golden`` is the golden
+    computed where none is asked for and the compute dtype is less precise (the default
+    verdict's float64): a reference of float64 inputs gets none.
     """
     __tracebackhide__ = True
     import torch
@@ -80,7 +84,6 @@ def compute_reference(
     positions = normalize_argnums(fn, args, argnums, is_module=is_module)
     if golden is not None:
         check_golden_dtype(golden, args)
-    _check_rounded(rounded, golden)
     selected: dict[str, torch.Tensor] = {}
     frozen: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
@@ -97,6 +100,16 @@ def compute_reference(
     compute = _compute_dtype(
         signature_source, args, kwargs, fn if isinstance(fn, torch.nn.Module) else None
     )
+    automatic = (
+        golden is None
+        and default_golden is not None
+        and compute is not None
+        and compute.dtype.is_floating_point
+        and epsilon(compute.dtype) > epsilon(default_golden)
+    )
+    if automatic:
+        golden = default_golden
+    _check_rounded(rounded, golden)
 
     primary: Strategy = default_strategy if strategy == "crosscheck" else strategy
     result = STRATEGY_FUNCTIONS[primary](problem)
@@ -121,7 +134,12 @@ def compute_reference(
         upcast = golden_problem(problem, golden, golden_device)
         computed = STRATEGY_FUNCTIONS[primary](upcast)
         obtained = obtained_dtype(computed.value, computed.aux)
-        check_golden_obtained(fn, golden, obtained, policy)
+        # A golden asked for is warned of when fn returns it less precise; the default
+        # verdict's only where it is no more precise than the reference (a .float() inside
+        # still gives a bf16 reference a float32 golden worth judging by).
+        assert compute is not None or not automatic
+        if not automatic or (compute and epsilon(obtained) >= epsilon(compute.dtype)):
+            check_golden_obtained(fn, golden, obtained, policy)
         golden_result = Golden(
             dtype=golden,
             device=computed.value.device,
@@ -130,6 +148,9 @@ def compute_reference(
             param_grads=computed.param_grads,
             aux=computed.aux,
             obtained=obtained,
+            value_condition=value_condition(
+                upcast, computed.value, computed.arg_grads, computed.param_grads
+            ),
         )
 
     rounded_result = None

@@ -5,15 +5,19 @@ the n-th). Each matched item's error is its greatest absolute error (``max_abs``
 reference, or against the golden under a budget); an item is a regression when that error grew
 by more than the threshold, when it became NaN, or when it passed before and fails now.
 
-Growth is judged in units of what the item is allowed (its tolerance or budget). Before the
-ratio is taken, both errors are raised to a noise floor: ``noise`` (a tenth by default) of the
-item's allowance, read from the report as the error over the share of the allowance it used
-(1 - headroom). An error that uses a negligible share of its allowance is rounding noise,
-which moves between CPUs (oneDNN's ISA paths, thread counts) by more than twice without
-meaning anything; an error that uses a real share of it and grows fourfold is caught (from over
-a twentieth of the allowance, at the default threshold). The absolute ``floor`` stays beneath
-that, for items whose allowance is unknown (exact matches), so that exact zeros do not make
-infinite ratios.
+Growth is judged against rounding noise measured in the item's own units: a rounding step of
+its dtype at its own scale (the report's ``scale``: the float64 golden's greatest magnitude,
+or the expected's), ``eps(dtype) * scale``. Before the ratio is taken, both errors are raised to
+``noise`` such steps (four by default): an error within a few steps of the item's dtype at
+its scale is rounding noise, which moves between CPUs (ATen's and oneDNN's ISA paths, thread
+counts) by several times without meaning anything (a float32 sum of rewards went from one step
+to four on ATen's scalar path), while an error that grows past a few steps is caught however
+generous the item's allowance (a bf16 reference's error can allow a
+float32-computed loss thousands of steps). Where a report holds normwise errors (``norm_rel``,
+relative to the golden's norm) they are judged the same way, against ``noise`` steps of the
+dtype, and the item's ratio is the larger of the two: a systematic error spread thinly over
+many elements grows the norm first. The absolute ``floor`` stays beneath, for items of older
+reports without a scale, so that exact zeros do not make infinite ratios.
 
 This module imports neither torch nor pytest: ``pytest-gradref diff`` starts fast.
 """
@@ -28,17 +32,27 @@ from typing import Any
 
 # Kept equal to pytest_gradref.report.FORMAT_VERSION (a test checks it): importing report.py
 # would import pytest.
-FORMAT_VERSIONS = frozenset({1})
+FORMAT_VERSIONS = frozenset({1, 2})
 DEFAULT_THRESHOLD = 2.0
 # A threshold below 1 would call unchanged errors regressions.
 MIN_THRESHOLD = 1.0
 # Below float32's spacing at 1 (1.2e-7) by far, above float64's rounding of unit-scale values
 # (1.1e-16) with room for accumulation: float64 noise is not called a regression.
 DEFAULT_FLOOR = 1e-12
-# The share of an item's allowance below which its error counts as noise (see the docstring).
-# Chosen from the spread measured across CPU hosts (README, "Precision across CPU hosts"):
-# items that moved 2.2x between an AMX host and an AMD EPYC one used 3-8% of their allowance.
-DEFAULT_NOISE = 0.1
+# Rounding steps of the item's dtype at its scale below which its error counts as noise (see
+# the docstring). Chosen from the spread measured across CPU code paths
+# (benchmarks/precision_spread.py, benchmarks/results/cpu/precision_spread.txt).
+DEFAULT_NOISE = 4.0
+# Machine epsilons by dtype name (torch.finfo's; this module imports no torch).
+EPSILONS = {
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+    "float32": 2.0**-23,
+    "float64": 2.0**-52,
+    "complex32": 2.0**-10,
+    "complex64": 2.0**-23,
+    "complex128": 2.0**-52,
+}
 
 
 class UnusableInput(Exception):
@@ -177,13 +191,20 @@ class ItemDiff:
     dtype: str
     before: float
     after: float
-    ratio: float  # after / before, both raised to the noise floor; NaN where either is NaN
-    noise_floor: float  # the error below which a change counts as noise (see the docstring)
+    # The judged growth: the larger of the greatest error's and the normwise error's, each
+    # after / before with both raised to its noise floor; NaN where an error is NaN.
+    ratio: float
+    noise_floor: float  # the greatest error below which a change counts as noise
+    # The normwise relative errors (NaN where a report has none) and whether the ratio is
+    # theirs.
     headroom_before: float
     headroom_after: float
     passed_before: bool
     passed_after: bool
     regression: str  # why it is one ("" if it is not)
+    norm_before: float = math.nan
+    norm_after: float = math.nan
+    normwise: bool = False
     # What would have been a regression but is not counted as one (see Diff.uncounted_why).
     uncounted: str = ""
 
@@ -219,6 +240,45 @@ class Diff:
     @property
     def regressions(self) -> list[ItemDiff]:
         return [item for item in self.items if item.regression]
+
+    def nothing_compared(self) -> str:
+        """Why no item was judged, and what to compare instead ("" when an item was): a
+        comparison of nothing finds no regression, and must never read as a pass. Both
+        ``pytest-gradref diff`` and ``--gradref-baseline`` refuse it with this message."""
+        if self.items:
+            return ""
+        for report in (self.base, self.new):
+            if not report.tests:
+                return (
+                    f"{report.path} holds no test record (no test in it used grad_reference); "
+                    "compare reports of runs whose tests check references"
+                )
+        common = sorted(self.base.tests.keys() & self.new.tests.keys())
+        if not common:
+            return (
+                f"no test in common: {self.base.path} holds {_tests(self.base)} "
+                f"(e.g. {min(self.base.tests)}), {self.new.path} {_tests(self.new)} "
+                f"(e.g. {min(self.new.tests)}); compare reports of the same suite, written "
+                "from the same rootdir (node ids are relative to it)"
+            )
+        first = common[0]
+        before, after = self.base.tests[first]["items"], self.new.tests[first]["items"]
+        if before and after:
+            fix = "their items' labels differ: compare reports of the same version of the tests"
+        else:
+            fix = (
+                "a test records an item for each value it compares (assert_close), none where "
+                "it fails, skips or returns before comparing: let those tests compare"
+            )
+        return (
+            f"{len(common)} {'test' if len(common) == 1 else 'tests'} in common, but no item "
+            f"in both (e.g. {first}: {len(before)} in {self.base.path}, {len(after)} in "
+            f"{self.new.path}); {fix}"
+        )
+
+
+def _tests(report: Report) -> str:
+    return f"{len(report.tests)} {'test' if len(report.tests) == 1 else 'tests'}"
 
 
 def _labelled(items: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -294,20 +354,19 @@ def simulation_differs(base: Report, new: Report) -> str:
     )
 
 
-def _allowance(item: dict[str, Any]) -> float:
-    """The error an item was allowed, from the report: its greatest error over the share of
-    the allowance that error used (1 - headroom). NaN where that cannot be told: an exact
-    match (a share of 0), a report without statistics, a failed shape check."""
-    error, share = _number(item.get("max_abs")), 1 - _number(item.get("headroom"))
-    if not (math.isfinite(error) and math.isfinite(share)) or error <= 0 or share <= 0:
+def _step(old: dict[str, Any], now: dict[str, Any]) -> tuple[float, float]:
+    """One rounding step of the item's dtype: at its scale (the larger of the two reports'),
+    absolute, and relative; NaN where the reports do not tell (no scale, an unknown dtype)."""
+    epsilon = EPSILONS.get(str(now.get("dtype", old.get("dtype"))), math.nan)
+    scales = [s for s in (_number(old.get("scale")), _number(now.get("scale"))) if math.isfinite(s)]
+    return (epsilon * max(scales) if scales else math.nan), epsilon
+
+
+def _growth(before: float, after: float, floor: float) -> float:
+    """after / before with both raised to the floor; NaN where either is NaN."""
+    if math.isnan(before) or math.isnan(after):
         return math.nan
-    return error / share
-
-
-def _noise_floor(old: dict[str, Any], now: dict[str, Any], noise: float, floor: float) -> float:
-    """``noise`` of the larger of the item's two allowances, and at least ``floor``."""
-    allowances = [a for a in (_allowance(old), _allowance(now)) if not math.isnan(a)]
-    return max([floor, *(noise * a for a in allowances)])
+    return max(after, floor) / max(before, floor)
 
 
 def _verdict(item: ItemDiff, threshold: float) -> str:
@@ -316,7 +375,7 @@ def _verdict(item: ItemDiff, threshold: float) -> str:
     if item.passed_before and not item.passed_after:
         return "now fails"
     if item.ratio > threshold:
-        return f"error grew {item.ratio:.3g}x"
+        return f"{'normwise ' if item.normwise else ''}error grew {item.ratio:.3g}x"
     return ""
 
 
@@ -352,10 +411,17 @@ def compare(
                 continue
             now = after_items[label]
             before, after = _number(old.get("max_abs")), _number(now.get("max_abs"))
-            noise_floor = _noise_floor(old, now, noise, floor)
-            ratio = max(after, noise_floor) / max(before, noise_floor)
-            if math.isnan(before) or math.isnan(after):
-                ratio = math.nan
+            step, relative_step = _step(old, now)
+            noise_floor = max(floor, noise * step) if math.isfinite(step) else floor
+            ratio = _growth(before, after, noise_floor)
+            norm_before, norm_after = _number(old.get("norm_rel")), _number(now.get("norm_rel"))
+            normwise = False
+            if math.isfinite(relative_step) and not (
+                math.isnan(norm_before) or math.isnan(norm_after)
+            ):
+                norm_ratio = _growth(norm_before, norm_after, max(floor, noise * relative_step))
+                if norm_ratio > ratio:
+                    ratio, normwise = norm_ratio, True
             item = ItemDiff(
                 nodeid=nodeid,
                 label=label,
@@ -369,11 +435,14 @@ def compare(
                 passed_before=old.get("passed") is True,
                 passed_after=now.get("passed") is True,
                 regression="",
+                norm_before=norm_before,
+                norm_after=norm_after,
+                normwise=normwise,
             )
             verdict = _verdict(item, threshold)
             # Across a simulated and a real device only growth is the code path's: a NaN or a
             # failure is one on either device, and counts.
-            if uncounted_why and verdict.startswith("error grew"):
+            if uncounted_why and "error grew" in verdict:
                 diff.items.append(replace(item, uncounted=verdict))
             else:
                 diff.items.append(replace(item, regression=verdict))

@@ -23,6 +23,22 @@ def _ratio(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.3g}x"
 
 
+# Marks a ratio taken after the noise floor raised one error or both (see _floored).
+FLOORED_MARK = "*"
+FLOORED_LEGEND = (
+    "the noise floor raised one error or both before the ratio was taken: it is not after / before"
+)
+
+
+def _floored(item: ItemDiff) -> bool:
+    """Whether the item's ratio is not after / before because its noise floor (``noise_floor``,
+    at least --floor) raised one error or both. An unchanged error is left unmarked: its ratio
+    of 1 reads true either way."""
+    if math.isnan(item.ratio) or item.before == item.after:
+        return False
+    return min(item.before, item.after) < item.noise_floor
+
+
 def _share(value: float) -> str:
     return "n/a" if math.isnan(value) or math.isinf(value) else f"{value:.1%}"
 
@@ -51,7 +67,8 @@ def _shown(diff: Diff, top: int) -> list[ItemDiff]:
 
 def noise_phrase(noise: float) -> str:
     """How the verdict line states the noise rule."""
-    return f"errors under {noise * 100:g}% of their allowance count as noise"
+    steps = "a rounding step" if noise == 1 else f"{noise:g} rounding steps"
+    return f"errors within {steps} of their dtype at their scale count as noise"
 
 
 def _verdict_line(diff: Diff) -> str:
@@ -79,11 +96,14 @@ def render_text(diff: Diff, top: int = 20) -> str:
         lines.append(header)
     for item in shown:
         mark = f"  <- {_mark(item)}" if _mark(item) else ""
+        floored = FLOORED_MARK if _floored(item) else " "
         lines.append(
-            f"{_ratio(item.ratio):>9}  {_num(item.before):>9}  {_num(item.after):>9}  "
+            f"{_ratio(item.ratio):>9}{floored} {_num(item.before):>9}  {_num(item.after):>9}  "
             f"{_headroom(item):>24}  {item.dtype:>8}  "
             f"{item.nodeid}: {item.label}{mark}"
         )
+    if any(_floored(item) for item in shown):
+        lines.append(f"{FLOORED_MARK} {FLOORED_LEGEND}")
     if len(shown) < len(diff.items):
         lines.append(f"... {len(diff.items) - len(shown)} more items (--top 0 shows all)")
     for title, entries in (
@@ -122,11 +142,14 @@ def render_markdown(diff: Diff, top: int = 20) -> str:
         ]
     for item in shown:
         mark = f":x: {item.regression}" if item.regression else _mark(item)
+        floored = f"\\{FLOORED_MARK}" if _floored(item) else ""
         lines.append(
-            f"| {mark} | {_ratio(item.ratio)} | {_num(item.before)} | {_num(item.after)} | "
-            f"{_headroom(item)} | {item.dtype} | `{_cell(item.nodeid)}` | "
+            f"| {mark} | {_ratio(item.ratio)}{floored} | {_num(item.before)} | "
+            f"{_num(item.after)} | {_headroom(item)} | {item.dtype} | `{_cell(item.nodeid)}` | "
             f"{_cell(item.label)} |"
         )
+    if any(_floored(item) for item in shown):
+        lines += ["", f"\\{FLOORED_MARK} {FLOORED_LEGEND}."]
     if len(shown) < len(diff.items):
         lines += ["", f"{len(diff.items) - len(shown)} more items not shown."]
     for title, entries in (

@@ -36,6 +36,10 @@ class GradReference:
     golden: torch.dtype | None = None
     golden_on_cpu: frozenset[str] = frozenset()
     rounded: bool = False
+    # The golden every reference of less precise inputs gets where none is asked for (the
+    # default verdict's float64); None under --gradref-verdict=tolerance or a marker's
+    # rtol/atol, which compare with a tolerance and need none.
+    default_golden: torch.dtype | None = None
 
     def __repr__(self) -> str:
         # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
@@ -102,12 +106,14 @@ class GradReference:
         there is nothing to crosscheck in it: the summary counts the test as opted out, or as
         crosschecked in part where it also computes a crosschecked reference.
         ``rounded=True`` rounds the kernel's own operations, its backward's included.
+        No golden is computed unless asked for (``golden=`` or the marker's): a kernel need
+        not run in float64, so the default verdict compares with the dtype's tolerance here.
         """
         __tracebackhide__ = True
         if self.strategy == "crosscheck" and self.policy.recording is not None:
             self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
         return self._compute(
-            "autograd", fn, args, kwargs, argnums, has_aux, golden, params, rounded
+            "autograd", fn, args, kwargs, argnums, has_aux, golden, params, rounded, False
         )
 
     def _compute(
@@ -121,15 +127,19 @@ class GradReference:
         golden: torch.dtype | None,
         params: ParamSelection,
         rounded: bool | None,
+        default_golden: bool = True,
     ) -> Reference:
         """compute_reference under this fixture's policy, with the call's golden dtype and
-        rounding or the marker's (the golden on the CPU where the backend cannot compute it)."""
+        rounding or the marker's (the golden on the CPU where the backend cannot compute it),
+        and the default verdict's golden where ``default_golden``."""
         __tracebackhide__ = True
         import torch
 
         golden = golden if golden is not None else self.golden
+        automatic = self.default_golden if default_golden else None
         golden_device = None
-        if golden is not None and dtype_name(golden) in self.golden_on_cpu:
+        wanted = golden if golden is not None else automatic
+        if wanted is not None and dtype_name(wanted) in self.golden_on_cpu:
             golden_device = torch.device("cpu")
         return compute_reference(
             fn,
@@ -144,4 +154,5 @@ class GradReference:
             golden=golden,
             golden_device=golden_device,
             rounded=rounded if rounded is not None else self.rounded,
+            default_golden=automatic,
         )

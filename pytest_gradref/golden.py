@@ -33,6 +33,43 @@ class Golden:
     # The least precise floating dtype fn returned (value and aux): less precise than
     # ``dtype`` where fn casts inside, e.g. with .float().
     obtained: torch.dtype | None = None
+    # For a scalar value: its first-order terms x * dvalue/dx over the differentiated inputs,
+    # as their sum of magnitudes and their 2-norm (see compare.BudgetItem.condition), a float64
+    # tensor of two; None otherwise.
+    value_condition: torch.Tensor | None = None
+
+
+def value_condition(
+    upcast: Problem, value: torch.Tensor, arg_grads: Sequence[Any], param_grads: Mapping[str, Any]
+) -> torch.Tensor | None:
+    """A scalar value's first-order terms x * dvalue/dx over the differentiated inputs x
+    (golden precision), as [sum of their magnitudes, their 2-norm]: for a sum of terms, the
+    first is the sum of their magnitudes, which its rounding errors scale with where the terms
+    cancel; the second, times u / sqrt(3), is the spread of the value's error when every
+    input is rounded once more (see compare.BudgetItem.condition). None for a value that is
+    not a scalar or has no gradient."""
+    import torch
+
+    if value.numel() != 1:
+        return None
+    inputs = [upcast.args[i] for i in upcast.argnums]
+    pairs = [*zip(inputs, arg_grads), *((upcast.params[n], g) for n, g in param_grads.items())]
+    # Non-finite terms (an infinite gradient, 0 * inf) set no scale, as in the golden's own
+    # (compare._finite): a NaN would fail every value, an infinity pass any.
+    terms = [
+        (x.detach() * g.detach()).reshape(-1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        for x, g in pairs
+        if isinstance(x, torch.Tensor)
+        and isinstance(g, torch.Tensor)
+        and x.shape == g.shape
+        and x.device == value.device
+        and is_inexact(g.dtype)
+        and not g.is_complex()
+    ]
+    if not terms:
+        return None
+    flat = torch.cat(terms).to(torch.float64)
+    return torch.stack([flat.abs().sum(), flat.norm()])
 
 
 def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:

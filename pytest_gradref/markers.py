@@ -26,9 +26,10 @@ MARKER_LINES = (
     "of devices.",
     "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
     "is one of devices.",
-    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None, rounded=False): "
-    "per-test reference strategy, tolerance overrides, golden dtype, error budget, and whether "
-    "the budget also counts from the reference rounded to the compute dtype at every step.",
+    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None, rounded=False, "
+    "check_dtype=True): per-test reference strategy, tolerance overrides, golden dtype, error "
+    "budget, whether the budget also counts from the reference rounded to the compute dtype at "
+    "every step, and whether a result less precise than its reference fails on its dtype.",
 )
 DEVICE_MARKERS = ("gradref_xfail", "gradref_skip", "gradref_only")
 ALL_MARKERS = (*DEVICE_MARKERS, "gradref")
@@ -37,7 +38,7 @@ _KEYWORDS: dict[str, tuple[str, ...]] = {
     "gradref_xfail": ("reason", "raises", "strict"),
     "gradref_skip": ("reason",),
     "gradref_only": ("reason",),
-    "gradref": ("strategy", "rtol", "atol", "golden", "budget", "rounded"),
+    "gradref": ("strategy", "rtol", "atol", "golden", "budget", "rounded", "check_dtype"),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {"gradref_xfail": ("reason",), "gradref_skip": ("reason",)}
 
@@ -119,6 +120,7 @@ class TestOverrides:
     golden: Any = None  # a torch.dtype; typed loosely so this module needs no torch
     budget: float | None = None
     rounded: bool = False
+    check_dtype: bool = True
 
 
 def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
@@ -173,6 +175,16 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
             "rounded reference only widens an error budget against a golden reference, so "
             "write @pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)"
         )
+    check_dtype = kwargs.get("check_dtype", True)
+    if not isinstance(check_dtype, bool):
+        raise MarkerError(
+            f"@pytest.mark.gradref got check_dtype={check_dtype!r}; it must be True or False"
+        )
     return TestOverrides(
-        strategy=strategy, tolerance=tolerance, golden=golden, budget=budget, rounded=rounded
+        strategy=strategy,
+        tolerance=tolerance,
+        golden=golden,
+        budget=budget,
+        rounded=rounded,
+        check_dtype=check_dtype,
     )

@@ -31,11 +31,12 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from pytest_gradref.settings import OPTIONS
+    from pytest_gradref.settings import BASELINE_REFRESH_HELP, BASELINE_REFRESH_INI, OPTIONS
 
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
     for spec in OPTIONS:
         spec.add_to(group, parser)
+    parser.addini(BASELINE_REFRESH_INI, help=BASELINE_REFRESH_HELP, default="")
 
 
 @pytest.hookimpl(trylast=True)
@@ -50,8 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.backends import BackendRegistry
     from pytest_gradref.device_coverage import DeviceCoverage
     from pytest_gradref.markers import MARKER_LINES
-    from pytest_gradref.report import ReportCollector
+    from pytest_gradref.report import ReportCollector, check_report_path
     from pytest_gradref.settings import (
+        BASELINE_FAIL_OPTION,
         BASELINE_OPTION,
         DEVICE_OPTION,
         REPORT_OPTION,
@@ -59,15 +61,27 @@ def pytest_configure(config: pytest.Config) -> None:
         SIMULATE_OPTION,
         STRATEGY_OPTION,
         STRICT_DEVICE_OPTION,
+        VERDICT_OPTION,
         parse_device,
         parse_flag,
         parse_seed,
         parse_simulate,
         parse_strategy,
+        parse_verdict,
         read_setting,
     )
     from pytest_gradref.state import GradrefState, is_xdist_worker, state_key
 
+    if config.getoption(BASELINE_FAIL_OPTION.dest) and not config.getoption(BASELINE_OPTION.dest):
+        # A gate without a baseline would pass on nothing.
+        raise pytest.UsageError(
+            f"{BASELINE_FAIL_OPTION.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
+            f"compare the run with; add {BASELINE_OPTION.flag}, or drop "
+            f"{BASELINE_FAIL_OPTION.flag}"
+        )
+    report_path = config.getoption(REPORT_OPTION.dest)
+    if report_path and not is_xdist_worker(config):
+        check_report_path(report_path)  # before any test runs, not after the whole suite
     simulate = parse_simulate(read_setting(config, SIMULATE_OPTION))
     if simulate is not None:
         # Before any backend is registered or probed, so the npu probe meets the simulation.
@@ -97,14 +111,13 @@ def pytest_configure(config: pytest.Config) -> None:
         strategy=parse_strategy(strategy_setting),
         strategy_source=strategy_setting.source,
         seed=seed,
+        verdict=parse_verdict(read_setting(config, VERDICT_OPTION)),
         simulated=frozenset({simulate} if simulate else ()),
     )
     config.stash[state_key] = state
     coverage = DeviceCoverage(strict=parse_flag(read_setting(config, STRICT_DEVICE_OPTION)))
     config.pluginmanager.register(coverage, "gradref-device-coverage")
-    collector = ReportCollector(
-        config.getoption(REPORT_OPTION.dest), seed, coverage, simulated=simulate is not None
-    )
+    collector = ReportCollector(report_path, seed, coverage, simulated=simulate is not None)
     config.pluginmanager.register(collector, "gradref-report")
     if config.getoption(BASELINE_OPTION.dest) and not is_xdist_worker(config):
         from pytest_gradref.baseline import BaselineGate
@@ -246,6 +259,9 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None,
     rounded=None, **kwargs)``.
     """
+    import torch
+
+    from pytest_gradref.compare import DEFAULT_BUDGET
     from pytest_gradref.fixture import GradReference
     from pytest_gradref.markers import parse_gradref_mark
     from pytest_gradref.policy import CheckPolicy
@@ -253,7 +269,8 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     from pytest_gradref.settings import BASELINE_OPTION, REPORT_OPTION
     from pytest_gradref.state import gradref_state, recording_key
 
-    setup = gradref_state(request.config).setup()
+    state = gradref_state(request.config)
+    setup = state.setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
     # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
     recording = request.node.stash[recording_key] = Recording()
@@ -268,6 +285,9 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         or request.config.get_verbosity() > 0
         or strategy == "crosscheck"
     )
+    # The default verdict judges against a float64 golden; a marker's tolerance, or
+    # --gradref-verdict=tolerance, compares with a tolerance and computes none unasked.
+    golden_verdict = state.verdict == "golden" and overrides.tolerance is None
     policy = CheckPolicy(
         backend=setup.backend.name,
         table=setup.backend.tolerances,
@@ -275,6 +295,8 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         budget=overrides.budget,
         recording=recording,
         statistics=statistics,
+        default_budget=DEFAULT_BUDGET if golden_verdict else None,
+        check_dtype=overrides.check_dtype,
     )
     return GradReference(
         strategy=strategy,
@@ -283,4 +305,5 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         golden=overrides.golden,
         golden_on_cpu=setup.backend.cpu_only_dtypes,
         rounded=overrides.rounded,
+        default_golden=torch.float64 if golden_verdict else None,
     )

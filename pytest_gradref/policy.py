@@ -35,6 +35,11 @@ class CheckPolicy:
     overrides: tuple[ToleranceOverride, ...] = ()
     budget: float | None = None
     recording: Recording | None = None
+    # The budget of a reference with a golden where the test gives no tolerance or budget:
+    # DEFAULT_BUDGET under the default verdict, None under --gradref-verdict=tolerance.
+    default_budget: float | None = None
+    # False (the marker's check_dtype=False): a less precise actual is judged, not failed.
+    check_dtype: bool = True
     # Whether assert_close computes each item's statistics (for the report and the summary)
     # besides its verdict.
     statistics: bool = True

@@ -25,7 +25,6 @@ from pytest_gradref.compare import (
     check_items,
     format_failures,
     is_inexact,
-    less_precise,
 )
 from pytest_gradref.golden import Golden
 from pytest_gradref.numbers import check_number
@@ -88,16 +87,24 @@ class Reference:
         rtol: float | None = None,
         atol: float | None = None,
         budget: float | None = None,
+        check_dtype: bool | None = None,
     ) -> None:
         """Assert that a kernel's value, gradients and aux match this reference.
 
-        By default each item is compared with the tolerance of its backend and dtype: the
-        least precise of the actual's, the reference's and the compute dtype (that of the
-        least precise input differentiated), unless a ``gradref`` marker or ``rtol``/``atol``
-        here override it. With ``budget=k`` (or a marker's budget) and a golden reference,
-        each item instead passes when its error against the golden is at most k times the
-        same-dtype reference's own error, plus a floor (see compare.py); with a rounded
-        reference (``rounded=True``), k times the larger of the two references' errors.
+        An actual result less precise than its reference fails on its dtype, unless
+        ``check_dtype=False`` (here or on the marker) says the kernel returns a lower
+        precision on purpose; it is then judged at the reference's precision.
+
+        With a golden reference (which the default verdict computes for every reference of
+        inputs less precise than float64) and no tolerance given, each item passes when its
+        error against the golden, greatest and normwise, is at most k times the same-dtype
+        reference's own error plus a floor (compare.py): k is ``budget=``, else the marker's
+        budget, else the session's default budget (2). With a rounded reference
+        (``rounded=True``) k times the larger of the two references' errors. ``rtol``/``atol``
+        here or on the marker compare with that tolerance instead, at the least precise of
+        the reference's dtype and the compute dtype (that of the least precise input,
+        differentiated or not); so does a reference without a golden (float64 inputs, or
+        ``--gradref-verdict=tolerance``), with its backend's tolerance for that dtype.
         ``aux`` (the kernel's auxiliary output) is compared leaf by leaf with the same rules;
         an entry of ``aux_tolerances``, keyed by a top-level key or index of the aux or by an
         item's label (``"aux['logps'][0]"``), gives those items a tolerance of their own,
@@ -116,8 +123,16 @@ class Reference:
         __tracebackhide__ = True
         if budget is not None and (rtol is not None or atol is not None):
             raise ValueError("assert_close() takes either budget= or rtol=/atol=, not both")
+        if check_dtype is None:
+            check_dtype = self.policy.check_dtype
+        elif not isinstance(check_dtype, bool):
+            raise TypeError(
+                f"assert_close(): check_dtype must be True or False, got {check_dtype!r}"
+            )
         if budget is None and rtol is None and atol is None:
             budget = self.policy.budget
+            if budget is None and self.golden is not None and not self.policy.overrides:
+                budget = self.policy.default_budget
         if budget is not None:
             check_number(budget, "budget", minimum=0, inclusive=False)
             if self.golden is None:
@@ -140,7 +155,9 @@ class Reference:
         if rtol is not None or atol is not None:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
         items: list[Item] = [
-            self._item(label, actual, expected, golden, budget, extra, missing, rounded)
+            self._item(
+                label, actual, expected, golden, budget, extra, check_dtype, missing, rounded
+            )
             for label, actual, expected, golden, rounded, missing in self._pair_items(
                 actual_value, actual_grads, param_grads
             )
@@ -150,7 +167,7 @@ class Reference:
         if aux is UNCHECKED:
             self._leave_aux_unchecked(aux_tolerances)
         elif aux is not None:
-            self._aux_items(aux, aux_tolerances or {}, budget, extra, items, unpaired)
+            self._aux_items(aux, aux_tolerances or {}, budget, extra, check_dtype, items, unpaired)
         elif self.aux is not None:
             raise TypeError(
                 "assert_close(): this reference has an aux (grad_reference(..., has_aux=True): "
@@ -181,25 +198,36 @@ class Reference:
         golden: torch.Tensor | None,
         budget: float | None,
         extra: tuple[ToleranceOverride, ...],
+        check_dtype: bool,
         missing: str = MISSING_HINT,
         rounded: torch.Tensor | None = None,
     ) -> Item:
         """The item to check: against the golden with a budget (counted from the rounded
         reference too, where there is one), else with the tolerance of the dtype it is
-        compared at (see ComputeDtype)."""
-        import torch
-
+        compared at: the reference's, or the compute dtype where less precise (see
+        ComputeDtype). A less precise actual is judged at that dtype all the same."""
         compute = self.compute.dtype if self.compute is not None else None
         if budget is not None and golden is not None:
-            return BudgetItem(label, actual, expected, golden, budget, compute, missing, rounded)
-        dtype = expected.dtype
-        if isinstance(actual, torch.Tensor):
-            dtype = less_precise(actual.dtype, dtype)
-        why = ""
+            condition = None
+            if label == "value" and self.golden is not None:
+                condition = self.golden.value_condition
+            return BudgetItem(
+                label,
+                actual,
+                expected,
+                golden,
+                budget,
+                compute,
+                missing,
+                rounded,
+                check_dtype=check_dtype,
+                condition=condition,
+            )
+        dtype, why = expected.dtype, ""
         if self.compute is not None:
             dtype, why = self.compute.tolerance_dtype(dtype)
         resolved = self.policy.tolerance(dtype, extra, why)
-        return ToleranceItem(label, actual, expected, resolved, missing)
+        return ToleranceItem(label, actual, expected, resolved, missing, check_dtype)
 
     def _leave_aux_unchecked(self, aux_tolerances: Mapping[AuxKey, Tolerance] | None) -> None:
         """aux=UNCHECKED: validated, and the aux's items recorded as not compared."""
@@ -224,6 +252,7 @@ class Reference:
         tolerances: Mapping[AuxKey, Tolerance],
         budget: float | None,
         extra: tuple[ToleranceOverride, ...],
+        check_dtype: bool,
         items: list[Item],
         unpaired: list[ItemCheck],
     ) -> None:
@@ -291,6 +320,7 @@ class Reference:
                     golden,
                     item_budget,
                     item_extra,
+                    check_dtype,
                     missing,
                     rounded,
                 )

@@ -7,6 +7,7 @@ there, written as JSON with ``--gradref-report=PATH`` and summarised in the term
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ TIGHTEST_SHOWN = 10
 RECORD_ATTRIBUTE = "gradref"
 # The report's format version: raise it when a field changes meaning or disappears, so that
 # ``pytest-gradref diff`` refuses a report it would misread.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def _finite(value: Any) -> Any:
@@ -83,6 +84,51 @@ def record_for_test(
     }
 
 
+def check_report_path(path: str) -> None:
+    """A usage error, at configure time, where ``--gradref-report`` cannot write PATH: a
+    directory, a missing directory, a read-only one. Probed as the report is written: a file
+    created beside PATH (then removed), so PATH itself is never touched."""
+    target = Path(path)
+    parent = target.parent
+    if os.path.isdir(target):  # os.path's checks answer False where a stat fails
+        problem = (
+            "it is a directory; name a file, e.g. "
+            f"--gradref-report={target / 'gradref-report.json'}"
+        )
+    elif not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        problem = f"its directory {parent} {what}; create it first, or name a file elsewhere"
+    else:
+        import tempfile
+
+        try:
+            handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", dir=parent)
+        except OSError as error:
+            problem = (
+                f"no file can be created beside it in {parent}: {error.strerror or error}; "
+                "name a file in a writable directory"
+            )
+        else:
+            os.close(handle)
+            os.remove(probe)
+            return
+    raise pytest.UsageError(f"--gradref-report={path}: {problem}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a file beside PATH, then rename it over PATH: a write that is interrupted leaves
+    the previous report (or none), never a truncated one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
 class ReportCollector:
     """A plugin object that gathers the records on the process that reports (controller)."""
 
@@ -114,8 +160,7 @@ class ReportCollector:
         import json
 
         document = {**self.run_fields(session.config), "tests": self.tests()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(document, indent=2) + "\n")
+        _write_atomically(self.path, json.dumps(document, indent=2) + "\n")
 
     def tests(self) -> list[dict[str, Any]]:
         """The records of the run's tests, as the report holds them."""

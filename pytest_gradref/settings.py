@@ -33,6 +33,15 @@ STRATEGY_HELP = (
     "they disagree). Default: auto."
 )
 
+VERDICT_HELP = (
+    "how assert_close judges a reference of inputs less precise than float64 when the test "
+    "gives no tolerance: golden (also compute the reference in float64 and pass each item whose "
+    "error against it, greatest and normwise, is at most the default budget of 2 times the "
+    "reference's own, plus a floor) or tolerance (torch.testing's tolerance of the dtype, "
+    "no float64 run: the cheapest). Default: golden."
+)
+VERDICTS = ("golden", "tolerance")
+
 
 @dataclass(frozen=True)
 class OptionSpec:
@@ -77,8 +86,9 @@ REPORT_HELP = (
     "grad_and_value disagree, naming the strategy each test received and the one it was "
     "checked against."
 )
-# The session's exit status when --gradref-baseline-fail finds a precision regression
-# (pytest's own statuses are 0 to 5).
+# The session's exit status when --gradref-baseline-fail finds a precision regression, or a
+# baseline that judged nothing: unusable, or no test or item in common (pytest's own statuses
+# are 0 to 5).
 BASELINE_REGRESSION_EXIT = 6
 BASELINE_HELP = (
     "compare the run's precision with BASE.json, a report written by --gradref-report: the "
@@ -86,17 +96,28 @@ BASELINE_HELP = (
     "and items missing from this run"
 )
 BASELINE_FAIL_HELP = (
-    "with --gradref-baseline: a precision regression (or a baseline that cannot be compared) "
-    f"fails the session, exit status {BASELINE_REGRESSION_EXIT}"
+    "with --gradref-baseline: a precision regression, or a baseline that judged nothing (it "
+    "cannot be compared, or has no test or item in common with the run), fails the session, "
+    f"exit status {BASELINE_REGRESSION_EXIT}"
 )
 BASELINE_THRESHOLD_HELP = (
     "with --gradref-baseline: how many times an item's error may grow before it is a "
     "regression (default 2; errors under a tenth of their allowance count as noise)"
 )
+VERDICT_OPTION = OptionSpec(
+    "--gradref-verdict", "gradref_verdict", VERDICT_HELP, "GRADREF_VERDICT", "gradref_verdict"
+)
 STRATEGY_OPTION = OptionSpec(
     "--gradref-strategy", "gradref_strategy", STRATEGY_HELP, "GRADREF_STRATEGY", "gradref_strategy"
 )
 REPORT_OPTION = OptionSpec("--gradref-report", "gradref_report", REPORT_HELP, metavar="PATH")
+# The ini key naming the project's command that writes its baseline again (shown where a run
+# has items the baseline lacks), and its help.
+BASELINE_REFRESH_INI = "gradref_baseline_refresh"
+BASELINE_REFRESH_HELP = (
+    "the command that writes the --gradref-baseline report again, named where a run records "
+    "tests or items the baseline lacks (which --gradref-baseline-fail fails)"
+)
 BASELINE_OPTION = OptionSpec(
     "--gradref-baseline", "gradref_baseline", BASELINE_HELP, metavar="BASE.json"
 )
@@ -120,7 +141,10 @@ SIMULATE_HELP = (
 SIMULATE_OPTION = OptionSpec(
     "--gradref-simulate", "gradref_simulate", SIMULATE_HELP, "GRADREF_SIMULATE", "gradref_simulate"
 )
-SIMULATABLE = ("npu",)
+# Each device type --gradref-simulate can simulate, and the package its real runtime comes in:
+# where that is not installed, an unavailable device's error names the simulation.
+SIMULATED_PACKAGES = {"npu": "torch_npu"}
+SIMULATABLE = tuple(SIMULATED_PACKAGES)
 # The session's exit status when --gradref-strict-device finds tests that ran without the
 # gradref device (BASELINE_REGRESSION_EXIT is 6).
 STRICT_DEVICE_EXIT = 7
@@ -143,6 +167,7 @@ STRICT_DEVICE_OPTION = OptionSpec(
 OPTIONS = (
     DEVICE_OPTION,
     STRATEGY_OPTION,
+    VERDICT_OPTION,
     SEED_OPTION,
     SIMULATE_OPTION,
     STRICT_DEVICE_OPTION,
@@ -189,6 +214,17 @@ def parse_seed(setting: Setting) -> int:
             "non-negative integer"
         )
     return seed
+
+
+def parse_verdict(setting: Setting) -> str:
+    """golden (the default) or tolerance."""
+    value = "golden" if setting.value == "auto" else setting.value
+    if value not in VERDICTS:
+        raise pytest.UsageError(
+            f"Invalid gradref verdict {setting.value!r} from {setting.source}; valid values "
+            f"are {', '.join(VERDICTS)}"
+        )
+    return value
 
 
 def parse_simulate(setting: Setting) -> str | None:
@@ -343,8 +379,9 @@ def resolve(
         if reason is not None:
             raise pytest.UsageError(
                 f"gradref device {request.setting.value!r} from {request.setting.source} is "
-                f"unavailable: {reason}. Install or expose that device, or use "
-                "--gradref-device=auto to take the first available one."
+                f"unavailable: {reason}. Install or expose that device, "
+                f"{_simulation_hint(backend, simulated)}or use --gradref-device=auto to take "
+                "the first available one."
             )
         device_source = f"from {request.setting.source}"
     if request.index is not None:
@@ -368,6 +405,23 @@ def resolve(
         strategy_source=strategy_source,
         unavailable=tuple(unavailable),
         simulated=backend.device_type in simulated,
+    )
+
+
+def _simulation_hint(backend: Backend, simulated: frozenset[str]) -> str:
+    """How to run an unavailable device's code path without its hardware, as a clause of the
+    error ("" where --gradref-simulate cannot help: a real runtime is installed, which the
+    simulation refuses to shadow, or the device is no simulatable one)."""
+    import importlib.util
+
+    device_type = backend.device_type
+    package = SIMULATED_PACKAGES.get(device_type)
+    if package is None or device_type in simulated or importlib.util.find_spec(package):
+        return ""
+    return (
+        f"run its code path without the hardware with --gradref-simulate={device_type} (a "
+        f"simulated {device_type} backed by the CPU: it proves the code path, not the "
+        "device's numerics), "
     )
 
 

@@ -27,6 +27,8 @@ class GradrefState:
     strategy: StrategyChoice | None
     strategy_source: str
     seed: int
+    # golden or tolerance (--gradref-verdict): how a test without a tolerance is judged.
+    verdict: str = "golden"
     # Device types this process simulates (--gradref-simulate), installed before any probe.
     simulated: frozenset[str] = frozenset()
     resolved: Setup | None = None

@@ -26,7 +26,9 @@ from test_adopter_distillation import distillation_inputs, run_kernel
 from test_adopter_dpo import SHAPES as PREFERENCE_SHAPES
 from test_adopter_dpo import leaves, preference_inputs
 
-ROUNDED = pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True)
+# The kernels return their aux in bf16 on purpose, as Liger's do (check_dtype=False): those
+# items are judged at the float32 reference's precision, their own rounding aside.
+ROUNDED = pytest.mark.gradref(golden=torch.float64, budget=2, rounded=True, check_dtype=False)
 
 
 @ROUNDED

@@ -20,7 +20,7 @@ import pytest
 import torch
 from gradref_kernels import FusedLinearJSDLoss, fused_linear_jsd
 from gradref_kernels.reference import jsd_distillation_reference
-from test_fused_linear_jsd import BUDGETS, SMALL, check_against_reference
+from test_fused_linear_jsd import SMALL, check_against_reference
 from torch import Tensor, nn
 
 pytestmark = [
@@ -174,8 +174,8 @@ def test_compiled_module_dynamic(
         model.zero_grad(set_to_none=True)
         loss = compiled(x, *args[1:])
         loss.backward()
-        ref = grad_reference(reference, *args, argnums=0, golden=torch.float64)
-        ref.assert_close(loss.detach(), (x.grad,), param_grads=model, budget=BUDGETS[dtype])
+        ref = grad_reference(reference, *args, argnums=0)  # the default verdict's golden
+        ref.assert_close(loss.detach(), (x.grad,), param_grads=model)
     assert 1 <= graphs() <= 2  # compiled, and recompiled at most once
 
 

@@ -1,9 +1,10 @@
 """The chunked fused-linear JSD loss against the full-logits reference, on the gradref device.
 
-Every comparison with the reference uses an error budget (see BUDGETS): the reference runs in
-the kernel's dtype and in float64 (the golden), and the kernel must be at most a few times as
-far from the golden as the same-dtype reference is, plus pytest-gradref's floor (one rounding
-step of the dtype in half precision, 16 in float32: pytest_gradref.compare.FLOOR_ULPS).
+Every comparison with the reference takes pytest-gradref's default verdict, with no tolerance
+or budget of its own: the reference (matmuls in the inputs' dtype, the rest in at least
+float32) also runs in float64 (the golden), and each item of the kernel, its greatest and its
+normwise error against the golden, must be at most twice the same-dtype reference's, plus a
+floor of a rounding step or so of the reference's dtype at the item's scale.
 """
 
 from __future__ import annotations
@@ -18,34 +19,6 @@ import torch
 from gradref_kernels import FusedLinearJSDLoss, _chunk_torch, fused_linear_jsd
 from gradref_kernels.reference import jsd_distillation_reference
 from torch import Tensor
-
-# Error budgets per dtype: the kernel's error against the float64 golden may be at most this
-# many times the same-dtype reference's, plus pytest-gradref's floor. Measured on CPU: the
-# largest error of each item over its largest golden magnitude
-# (loss, grad_input, grad_weight, grad_bias), worst case over the cases, the largest per-case
-# ratio of the kernel's error to the reference's, and the largest share of the allowed error
-# (budget * reference error + floor) that any case uses:
-#   bfloat16 (24 test_correctness cases)
-#     kernel     7.3e-5  1.0e-2  1.7e-2  3.5e-3
-#     reference  8.0e-2  2.5e-2  3.0e-2  9.6e-3    ratio  0.31  1.24  1.81  1.00
-#                                                  share  0.01  0.35  0.42  0.23
-#   float16 (test_float16_with_loss_scaling)
-#     kernel     2.2e-6  1.4e-3  4.8e-4  3.3e-4
-#     reference  2.0e-3  1.6e-3  7.4e-4  5.9e-4    ratio  1.60  0.91  0.73  0.97
-#                                                  share  0.00  0.33  0.19  0.17
-#   float32 (24 test_correctness cases)
-#     kernel     5.2e-7  1.1e-6  9.6e-7  2.4e-7
-#     reference  2.9e-7  1.1e-6  9.5e-7  2.6e-7    ratio  12.4  1.41  1.55  1.53
-#                                                  share  0.25  0.20  0.17  0.08
-# In bfloat16 and float16 the gradients' error is their own rounding (and that of the logits
-# in bfloat16): no worse than the naive reference's, whose loss is far worse; bfloat16's
-# largest ratios (1.8 on grad_weight) are in the small cases, where one rounding step of the
-# result (the floor) dominates. In float32 both sit at a few rounding steps, the closed-form
-# gradient takes a few more steps than autograd, and the CPU reference sums its cross-entropy
-# in float64 (the ratio of 12 on the loss, which the floor absorbs), so float32 gets a budget
-# of 4.
-BUDGETS = {torch.bfloat16: 2.0, torch.float16: 2.0, torch.float32: 4.0}
-pytestmark = pytest.mark.gradref(golden=torch.float64)
 
 LOSS_CONFIGS = [  # temperature, weight_hard_loss, weight_soft_loss, beta
     (1.0, 0.5, 0.5, 0.5),
@@ -70,14 +43,13 @@ def check_against_reference(
     loss: Tensor,
     grads: tuple[Tensor, ...],
     reference: Callable[..., Tensor] = jsd_distillation_reference,
+    budget: float | None = None,
     **options: Any,
 ) -> None:
-    """The kernel's loss and gradients against ``reference`` on the same inputs, within the
-    error budget of the inputs' dtype."""
-    ref = grad_reference(
-        reference, *inputs.args, argnums=inputs.grad_argnums, golden=torch.float64, **options
-    )
-    ref.assert_close(loss, grads, budget=BUDGETS[inputs.student_input.dtype])
+    """The kernel's loss and gradients against ``reference`` on the same inputs, by the
+    default verdict (a float64 golden, a budget of 2) unless ``budget`` says otherwise."""
+    ref = grad_reference(reference, *inputs.args, argnums=inputs.grad_argnums, **options)
+    ref.assert_close(loss, grads, budget=budget)
 
 
 # --------------------------------------------------------------------------- reference suite
@@ -876,6 +848,7 @@ def test_bfloat16_gradients_are_rounded_once(
 )
 def test_soft_loss_keeps_its_digits_when_student_is_close(
     make_jsd_inputs: Any,
+    grad_reference: Any,
     implementation: str,
     beta: float,
     temperature: float,
@@ -912,3 +885,15 @@ def test_soft_loss_keeps_its_digits_when_student_is_close(
     )
     relative_error = abs(loss.double().item() - golden.item()) / golden.item()
     assert relative_error <= bound
+    # The same case by the default verdict, gradients included: its items are in the report,
+    # so the precision gate sees the loss's digits in this regime too. The Triton kernel's
+    # student_input gradient cancels more than autograd's here: its normwise error measured
+    # 2.6x the float32 reference's at beta 0.2, temperature 2 (2e-5 relative, in the Triton
+    # interpreter on the CPU), so that path gets a budget of 3.
+    loss, grads = close.run(
+        fused_linear_jsd, temperature=temperature, implementation=implementation, **options
+    )
+    budget = 3.0 if implementation == "triton" else None
+    check_against_reference(
+        grad_reference, close, loss, grads, budget=budget, temperature=temperature, **options
+    )

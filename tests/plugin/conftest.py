@@ -35,6 +35,7 @@ with contextlib.suppress(ModuleNotFoundError):
 GRADREF_ENV = (
     "GRADREF_DEVICE",
     "GRADREF_STRATEGY",
+    "GRADREF_VERDICT",
     "GRADREF_SEED",
     "GRADREF_SIMULATE",
     "ASCEND_RT_VISIBLE_DEVICES",

@@ -111,7 +111,7 @@ def test_arguments_over_marker(grad_reference):
     ref.assert_close(torch.tensor(3.0), x * 1.01, atol=1e-4)
 
 
-def test_less_precise_dtype_decides(grad_reference):
+def test_less_precise_result_fails_on_its_dtype(grad_reference):
     x = torch.ones(4)
     ref = grad_reference(lambda t: t.sum(), x)
     ref.assert_close(torch.tensor(4.0), (x * 1.1).to(torch.bfloat16))
@@ -182,8 +182,10 @@ EXPECTED_FAILURES = {
         "E * tolerance rtol=0.001, atol=0.0001 from rtol from the test's "
         "@pytest.mark.gradref marker, atol from the assert_close() arguments",
     ],
-    "test_less_precise_dtype_decides": [
-        "E * tolerance rtol=0.016, atol=1e-05 from torch.testing's default for bfloat16",
+    "test_less_precise_result_fails_on_its_dtype": [
+        "E * - gradient of argument 0 (t):",
+        "E * dtype: the result is bfloat16, less precise than the reference's float32. *"
+        "check_dtype=False*",
     ],
 }
 
@@ -204,8 +206,9 @@ def failure_sections(lines: list[str]) -> dict[str, pytest.LineMatcher]:
 
 
 def test_assert_close_failure_messages(pytester: pytest.Pytester) -> None:
+    # torch.testing's messages and where each tolerance came from: the tolerance verdict's.
     pytester.makepyfile(**{TEST_ID: FAILURES})
-    result = pytester.runpytest("--gradref-device=cpu")
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-verdict=tolerance")
     result.assert_outcomes(failed=11)
     sections = failure_sections(result.stdout.lines)
     assert set(sections) == set(EXPECTED_FAILURES)
@@ -235,7 +238,8 @@ def test_one_bad(grad_reference):
 
 def test_tolerances_in_force(pytester: pytest.Pytester) -> None:
     # What passes shows the tolerance too: loosened by the marker, by the arguments and by
-    # the backend's table; a difference within torch's default passes untouched.
+    # the backend's table; a difference within torch's default passes untouched. The tables
+    # judge under --gradref-verdict=tolerance (the default judges by a float64 golden).
     pytester.makeconftest(
         """
 from pytest_gradref import Tolerance, builtin_backend
@@ -301,7 +305,8 @@ def test_table_message(grad_reference, gradref_backend):
 """
     )
     for device in ("cpu", "loose", "npu"):
-        pytester.runpytest(f"--gradref-device={device}").assert_outcomes(passed=5)
+        result = pytester.runpytest(f"--gradref-device={device}", "--gradref-verdict=tolerance")
+        result.assert_outcomes(passed=5)
 
 
 def test_actual_grads_must_line_up(pytester: pytest.Pytester) -> None:
@@ -466,11 +471,13 @@ class _OperatorCount(TorchDispatchMode):
 
 # The operators three passing items take (a scalar loss and two gradients), as the README
 # states them, per torch release they were counted on: older releases decompose some of the
-# same calls into more operators.
+# same calls into more operators. The statistics and the budget gained the normwise error
+# and the scale (torch 2.13: 73 -> 94 and 85 -> 94); on the releases not counted since, only
+# the verdict's count, which that left alone, is guarded, and the other modes skip.
 OPERATOR_COUNTS = {
-    (2, 13): {"statistics": 73, "verdict": 61, "budget": 85},
-    (2, 11): {"statistics": 73, "verdict": 61, "budget": 85},  # the H200's torch
-    (2, 6): {"statistics": 85, "verdict": 67, "budget": 97},
+    (2, 13): {"statistics": 94, "verdict": 61, "budget": 94},
+    (2, 11): {"verdict": 61},  # the H200's torch
+    (2, 6): {"verdict": 67},
 }
 
 
@@ -478,18 +485,23 @@ OPERATOR_COUNTS = {
 def test_operators_dispatched_by_three_items(mode: str) -> None:
     """A guard on the comparison's cost, counted rather than timed: a change that adds a pass
     over the items fails it on every machine."""
-    counts = OPERATOR_COUNTS.get(tuple(int(p) for p in torch.__version__.split(".")[:2]))
-    if counts is None:
-        pytest.skip(f"operator counts are recorded for torch {sorted(OPERATOR_COUNTS)} only")
+    version = tuple(int(p) for p in torch.__version__.split(".")[:2])
+    counts = OPERATOR_COUNTS.get(version, {})
+    if mode not in counts:
+        counted = sorted(v for v, c in OPERATOR_COUNTS.items() if mode in c)
+        pytest.skip(f"the {mode} operator count is recorded for torch {counted} only")
     gen = torch.Generator().manual_seed(0)
     expected = [torch.randn(shape, generator=gen) for shape in [(), (64, 128), (256, 128)]]
     actual = [e + 1e-7 * torch.randn(e.shape, generator=gen) for e in expected]
     resolved = ResolvedTolerance(Tolerance(rtol=1.3e-6, atol=1e-5), "the test")
     items: list[ToleranceItem] | list[BudgetItem]
     if mode == "budget":
+        # A float32 reference with rounding errors of its own, as a computed one has: against
+        # an exact one the kernel's thousands of 1-step errors would fail the normwise bound.
+        references = [e + 1e-7 * torch.randn(e.shape, generator=gen) for e in expected]
         items = [
-            BudgetItem(f"item {i}", a, e, e.double(), budget=2.0)
-            for i, (a, e) in enumerate(zip(actual, expected))
+            BudgetItem(f"item {i}", a, r, e.double(), budget=2.0)
+            for i, (a, r, e) in enumerate(zip(actual, references, expected))
         ]
     else:
         items = [

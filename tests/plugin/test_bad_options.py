@@ -140,6 +140,7 @@ def test_unavailable_cuda(
     # The reason itself, as the cuda probe gives it for this torch build.
     import torch
 
+    result.stderr.no_fnmatch_line("*--gradref-simulate*")  # cuda cannot be simulated
     if torch.version.cuda is None and torch.version.hip is None:
         result.stderr.fnmatch_lines(["*unavailable: torch * is a CPU-only build.*"])
     else:
@@ -157,7 +158,10 @@ def test_unavailable_npu_without_torch_npu(
     _usage_error(
         result,
         "ERROR: gradref device 'npu' from the GRADREF_DEVICE environment variable is "
-        "unavailable: torch_npu not installed.*",
+        "unavailable: torch_npu not installed. Install or expose that device, run its code "
+        "path without the hardware with --gradref-simulate=npu (a simulated npu backed by the "
+        "CPU: it proves the code path, not the device's numerics), or use --gradref-device=auto "
+        "to take the first available one.",
     )
 
 

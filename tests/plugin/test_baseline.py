@@ -155,3 +155,98 @@ def test_every_registered_plugin_object_is_hashable(
     assert {"gradref-report", "gradref-baseline", "gradref-xdist"} <= set(ours)
     for name, plugin in ours.items():
         assert isinstance(hash(plugin), int), name
+
+
+def test_baseline_fail_without_a_baseline_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernels=SKEWED_KERNEL)
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-baseline-fail")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --gradref-baseline-fail needs --gradref-baseline=BASE.json, the report to "
+            "compare the run with; add --gradref-baseline, or drop --gradref-baseline-fail"
+        ]
+    )
+    result.stdout.no_fnmatch_line("*passed*")
+
+
+OTHER_SUITE = """
+import torch
+
+
+def test_other(grad_reference):
+    x = torch.randn(4, dtype=torch.float64)
+    grad_reference(lambda t: t.exp().sum(), x).assert_close(x.exp().sum(), x.exp())
+
+
+def test_plain():
+    pass
+"""
+# A suite whose test computes a reference and compares nothing: its record holds no item.
+COMPARES_NOTHING = """
+import torch
+
+
+def test_reference_only(grad_reference):
+    grad_reference(lambda t: t.exp().sum(), torch.randn(4, dtype=torch.float64))
+"""
+
+
+@pytest.mark.parametrize(
+    ("run", "why"),
+    [
+        (
+            ["test_other.py"],
+            "no test in common: *base.json holds 3 tests (e.g. test_kernels.py::test_kernel[[]3[]]"
+            "), this run 1 test (e.g. test_other.py::test_other); compare reports of the same "
+            "suite, written from the same rootdir (node ids are relative to it)",
+        ),
+        (
+            ["test_other.py", "-k", "plain"],
+            "this run holds no test record (no test in it used grad_reference); compare reports "
+            "of runs whose tests check references",
+        ),
+    ],
+    ids=["no-test-in-common", "no-test-recorded"],
+)
+def test_a_baseline_that_judges_nothing_fails_the_gate(
+    pytester: pytest.Pytester, baseline: str, run: list[str], why: str
+) -> None:
+    pytester.makepyfile(test_other=OTHER_SUITE)
+    args = ["--gradref-device=cpu", f"--gradref-baseline={baseline}", *run]
+    failing = pytester.runpytest(*args, "--gradref-baseline-fail")
+    assert failing.ret == BASELINE_REGRESSION_EXIT
+    failing.stdout.fnmatch_lines(
+        [f"WARNING: nothing judged against *base.json: {why}; the session fails (exit status 6)"]
+    )
+    # Without -fail the run passes, and says that nothing was judged: never "0 regressions".
+    warned = pytester.runpytest(*args)
+    assert warned.ret == pytest.ExitCode.OK
+    warned.stdout.fnmatch_lines(
+        [
+            f"WARNING: nothing judged against *base.json: {why}; this run's precision went "
+            "unchecked (--gradref-baseline-fail fails it)"
+        ]
+    )
+    assert "regressions" not in warned.stdout.str()
+
+
+def test_tests_in_common_without_items_fail_the_gate(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_compares_nothing=COMPARES_NOTHING)
+    pytester.runpytest("--gradref-device=cpu", "--gradref-report=base.json").assert_outcomes(
+        passed=1
+    )
+    result = pytester.runpytest(
+        "--gradref-device=cpu", "--gradref-baseline=base.json", "--gradref-baseline-fail"
+    )
+    result.assert_outcomes(passed=1)
+    assert result.ret == BASELINE_REGRESSION_EXIT
+    result.stdout.fnmatch_lines(
+        [
+            "WARNING: nothing judged against base.json: 1 test in common, but no item in both "
+            "(e.g. test_compares_nothing.py::test_reference_only: 0 in base.json, 0 in this run); "
+            "a test records an item for each value it compares (assert_close), none where it "
+            "fails, skips or returns before comparing: let those tests compare; the session "
+            "fails (exit status 6)"
+        ]
+    )

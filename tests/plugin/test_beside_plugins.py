@@ -130,11 +130,13 @@ def test_fails_from_three(grad_reference, k):
     ref = grad_reference(lambda t: t.sin().sum(), x)
     ref.assert_close(ref.value + k * 4e-6, x.cos())  # atol 1e-5: k >= 3 fails
 """
+# GIVEN's examples are judged by float32's atol: the tolerance verdict's.
+GIVEN_VERDICT = "--gradref-verdict=tolerance"
 
 
 def test_a_given_test_records_its_worst_example(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_given=GIVEN)
-    result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=r.json")
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=r.json", GIVEN_VERDICT)
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.no_fnmatch_line("*FailedHealthCheck*")
     tests = {t["nodeid"]: t for t in json.loads((pytester.path / "r.json").read_text())["tests"]}
@@ -152,7 +154,7 @@ def test_a_given_test_records_its_worst_example(pytester: pytest.Pytester) -> No
 
 def test_a_falsifying_example_prints_a_short_fixture(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_given=GIVEN)
-    result = pytester.runpytest("--gradref-device=cpu", "-k", "fails_from_three")
+    result = pytester.runpytest("--gradref-device=cpu", "-k", "fails_from_three", GIVEN_VERDICT)
     result.assert_outcomes(failed=1)
     # Hypothesis names the failing case (its wording varies across versions) and pytest the
     # test's arguments: the fixture in one short line, never its policy and records.

@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from pytest_gradref import diff as diff_module
 from pytest_gradref.__main__ import main
+from pytest_gradref.diff_output import render_markdown, render_text
 from pytest_gradref.report import FORMAT_VERSION
 
 # A kernel whose gradient is off by a relative error that the environment sets. float64's
@@ -379,6 +381,40 @@ def test_unusable_input_exits_2_and_says_why(
 
 
 @pytest.mark.parametrize(
+    ("tests", "why"),
+    [
+        (
+            [_test("u.py::test_other", _item("value", 1e-7))],
+            "no test in common: {base} holds 3 tests (e.g. t.py::test_a), {new} 1 test (e.g. "
+            "u.py::test_other); compare reports of the same suite, written from the same rootdir",
+        ),
+        (
+            [_test("t.py::test_a"), _test("t.py::test_gone")],
+            "2 tests in common, but no item in both (e.g. t.py::test_a: 2 in {base}, 0 in {new}); "
+            "a test records an item for each value it compares (assert_close)",
+        ),
+        (
+            [_test("t.py::test_gone", _item("output", 1e-7))],
+            "1 test in common, but no item in both (e.g. t.py::test_gone: 1 in {base}, 1 in "
+            "{new}); their items' labels differ",
+        ),
+        ([], "{new} holds no test record (no test in it used grad_reference)"),
+    ],
+    ids=["no-test-in-common", "no-items", "other-labels", "empty"],
+)
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_nothing_compared_exits_2_and_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tests: Any, why: str, fmt: str
+) -> None:
+    base, new = _pair(tmp_path, {**BASE, "tests": tests})
+    status, out, err = _diff(capsys, base, new, f"--format={fmt}")
+    assert status == 2, "0 regressions in 0 compared items is no pass"
+    assert out == ""
+    assert err.startswith("pytest-gradref diff: error: nothing to compare: ")
+    assert why.format(base=base, new=new) in err
+
+
+@pytest.mark.parametrize(
     ("option", "value", "message"),
     [
         ("--threshold", "0.99", "must be a number >= 1, got '0.99'"),
@@ -442,6 +478,46 @@ def test_markdown_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     status, out, _ = _diff(capsys, base, new_path, "--format=markdown")
     assert status == 1
     assert out == MARKDOWN.format(base=base, new=new_path)
+
+
+def test_a_ratio_taken_above_the_noise_floor_is_marked(tmp_path: Path) -> None:
+    # Rows as the noise model makes them (built here, so that the test does not hang on how it
+    # computes the floor): 1e-8 -> 6e-7 under a floor of 1e-7 is judged 6x, not 60x.
+    base, new = _pair(tmp_path, BASE)
+    diff = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+    raised = diff_module.ItemDiff(
+        nodeid="t.py::test_a",
+        label="value",
+        dtype="float32",
+        before=1e-8,
+        after=6e-7,
+        ratio=6.0,
+        noise_floor=1e-7,
+        headroom_before=0.99,
+        headroom_after=0.4,
+        passed_before=True,
+        passed_after=True,
+        regression="error grew 6x",
+    )
+    above = replace(raised, label="grad", before=1e-6, after=3e-6, ratio=3.0, regression="")
+    unchanged = replace(raised, label="aux", before=1e-9, after=1e-9, ratio=1.0, regression="")
+    diff.items = [raised, above, unchanged]
+    legend = "the noise floor raised one error or both before the ratio was taken: it is not "
+    lines = render_text(diff).splitlines()
+    assert lines[-4].startswith("       6x*     1e-08      6e-07  ")
+    assert lines[-4].endswith("t.py::test_a: value  <- error grew 6x")
+    assert lines[-3].startswith("       3x      1e-06      3e-06  ")  # above the floor
+    assert lines[-2].startswith("       1x      1e-09      1e-09  ")  # unchanged
+    assert lines[-1] == f"* {legend}after / before"
+    markdown = render_markdown(diff)
+    assert "| :x: error grew 6x | 6x\\* | 1e-08 | 6e-07 |" in markdown
+    assert "|  | 3x | 1e-06 | 3e-06 |" in markdown
+    assert "|  | 1x | 1e-09 | 1e-09 |" in markdown
+    assert f"\n\\* {legend}after / before.\n" in markdown
+    # No row raised, no mark and no legend.
+    diff.items = [above, unchanged]
+    assert "*" not in render_text(diff)
+    assert "\\*" not in render_markdown(diff)
 
 
 def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -86,6 +86,100 @@ def test_report_is_the_same_under_xdist(pytester: pytest.Pytester) -> None:
     assert parallel == serial
 
 
+RECORDS_IT_RAN = """
+from pathlib import Path
+
+
+def test_runs(gradref_device):
+    Path("ran").write_text("")
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("out", "*--gradref-report=out: it is a directory; name a file, e.g. *out?gradref-rep*"),
+        (
+            "absent/report.json",
+            "*--gradref-report=absent?report.json: its directory absent does not exist; create "
+            "it first*",
+        ),
+        (
+            "file.txt/report.json",
+            "*--gradref-report=file.txt?report.json: its directory file.txt is not a directory*",
+        ),
+        ("r" * 300, "*--gradref-report=rrr*: no file can be created beside it in .: File name*"),
+        (
+            "read-only/report.json",
+            "*--gradref-report=read-only?report.json: no file can be created beside it in "
+            "read-only: Permission denied; name a file in a writable directory",
+        ),
+    ],
+    ids=["directory", "missing-directory", "file-as-directory", "name-too-long", "read-only"],
+)
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["serial", "xdist"])
+def test_unwritable_report_path_is_a_usage_error_before_any_test(
+    pytester: pytest.Pytester, target: str, message: str, workers: list[str]
+) -> None:
+    pytester.makepyfile(RECORDS_IT_RAN)
+    pytester.mkdir("out")
+    pytester.path.joinpath("file.txt").write_text("")
+    read_only = pytester.mkdir("read-only")
+    read_only.chmod(0o555)
+    try:
+        if target.startswith("read-only"):
+            try:  # root (or a file system that ignores modes) writes there all the same
+                read_only.joinpath("probe").write_text("")
+            except PermissionError:
+                pass
+            else:
+                pytest.skip("this user can write into a read-only directory")
+        result = pytester.runpytest("--gradref-device=cpu", f"--gradref-report={target}", *workers)
+    finally:
+        read_only.chmod(0o755)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message}"])
+    assert not (pytester.path / "ran").exists()
+    assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith(".")) == []
+
+
+INTERRUPTS_THE_REPORT = """
+import json
+
+import pytest
+
+
+dumps = json.dumps
+
+
+def broken(document, **kwargs):
+    # The report's text cannot be encoded half-way through: its write is interrupted.
+    if isinstance(document, dict) and "format_version" in document:
+        return '{"format_version": 1, "tests": [\\ud800'
+    return dumps(document, **kwargs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    json.dumps = broken
+"""
+
+
+def test_an_interrupted_report_write_leaves_the_previous_report(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(CASES)
+    previous = json.dumps(_report(pytester))
+    pytester.makeconftest(INTERRUPTS_THE_REPORT)
+    result = pytester.runpytest_subprocess("--gradref-device=cpu", "--gradref-report=report.json")
+    assert result.ret != pytest.ExitCode.OK
+    # The report's own write was interrupted (not another plugin's, before it).
+    result.stderr.fnmatch_lines(
+        ["*pytest_gradref?report.py*in pytest_sessionfinish", "UnicodeEncodeError: *surrogates*"]
+    )
+    # Written beside the report and renamed over it: never a truncated report, nor a leftover.
+    assert json.dumps(json.loads((pytester.path / "report.json").read_text())) == previous
+    assert [p.name for p in pytester.path.iterdir() if p.name.startswith(".report.json")] == []
+
+
 def test_crosscheck_disagreements_are_recorded_in_the_report(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

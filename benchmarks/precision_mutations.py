@@ -1,0 +1,510 @@
+"""Do the kernel suite's precision checks have teeth? Each realistic precision mistake of
+``benchmarks/_mutations.py``, applied to the kernel alone, must be caught.
+
+For every mutation this first checks, in this process, that it changes the fused loss's outputs
+at all, and by how much against the float64 golden (relative max error before -> after, on a
+small bfloat16 and float32 problem and on a float32 one whose student is close to its teacher),
+so that a mutation that does nothing cannot pass for one that is caught. Then it runs a subset
+of the kernel suite under the CI baseline gate (``--gradref-baseline=`` the committed CPU
+baseline, ``--gradref-baseline-fail``) with the mutation applied inside the test processes
+(``-p _mutations``, ``benchmarks/`` on ``PYTHONPATH``, ``GRADREF_MUTATION=NAME``: nothing on
+disk changes), and checks that the mutated code ran there and that the run's verdict is the
+expected one: caught (a test fails, or the gate reports a regression: pytest exits non-zero,
+1 or 6) for the mistakes; not caught (exit status 0) for the unmutated suite (``none``) and
+the control (``reorder_noop``, a summation-order change). Exits 1 if any expectation fails.
+
+    python benchmarks/precision_mutations.py                       # everything, on SUBSET
+    python benchmarks/precision_mutations.py --only reorder_noop grad_input_rounded_twice
+    python benchmarks/precision_mutations.py -k "not triton"      # tests/kernels -k EXPR
+    python benchmarks/precision_mutations.py --out /tmp/mutations  # logs and the table there
+
+The table of the last full run on this repository's 2-core CPU host is
+``benchmarks/results/cpu/precision_mutations.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _mutations
+import pytest
+import torch
+from torch import Tensor
+
+BENCHMARKS = Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+sys.path.insert(0, str(REPO / "kernels"))
+from gradref_kernels import fused_linear_jsd  # noqa: E402
+from gradref_kernels.reference import jsd_distillation_reference  # noqa: E402
+
+BASELINE = "tests/kernels/precision-baseline-cpu.json"
+UNMUTATED = "none"
+
+# The kernel-suite tests each run takes: those that judge precision, on the PyTorch path, at the
+# small sizes, in bfloat16 and float32 (about a tenth of the suite's time). Every mutation's
+# lines run in them, and each test that caught a mutation in a run of the whole suite but for
+# the Triton tests (benchmarks/results/cpu/precision_mutations.txt) is among them. Left out:
+# the Triton kernel's tests (its CPU interpreter is slow, and the mutations change the PyTorch
+# chunk math, or the chunk loop that both paths share), torch.compile's (the same operators,
+# compiled around), the 8x128x1024x4096 reference cases (10 s each here), float16's loss
+# scaling (15 s; the bfloat16 tests run the same lines) and the tests of no precision.
+SUBSET_PATHS = ["tests/kernels/test_chunk_kernels.py", "tests/kernels/test_fused_linear_jsd.py"]
+SUBSET_K = (
+    "(test_correctness or test_grad_output or test_beta_endpoints or test_chunk_size"
+    " or test_torch_implementation or test_teacher_vocabulary_larger"
+    " or test_bfloat16_gradients_are_rounded_once or test_soft_loss_keeps_its_digits"
+    " or test_matches_float64) and not triton and not 8x128x1024x4096"
+)
+
+# pytest's own exit statuses that mean the run did not judge anything (interrupted, internal
+# error, usage error, no tests collected): neither caught nor not caught.
+BROKEN_RUN = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}
+
+
+# ------------------------------------------------------------------ the output change, in process
+
+
+@dataclass(frozen=True)
+class Case:
+    """A small fused-loss problem: its tensors (the student's get gradients) and options."""
+
+    name: str
+    tensors: dict[str, Tensor | None]
+    labels: Tensor
+    options: dict[str, Any]
+
+
+GRAD_NAMES = ("student_input", "student_weight", "student_bias")
+OUTPUT_NAMES = ("loss", "grad_input", "grad_weight", "grad_bias")
+
+
+def make_case(name: str, dtype: torch.dtype, *, close: bool = False) -> Case:
+    """Random inputs as the kernel suite draws them (logits of standard deviation about 2, a
+    quarter of the rows ignored), or, with ``close``, a teacher whose weight is the student's
+    perturbed so that the per-row JSD is about 3e-6 (the regime of the suite's
+    test_soft_loss_keeps_its_digits_when_student_is_close)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, hidden, teacher_hidden, vocab = (96, 32, 32, 2048) if close else (150, 48, 64, 301)
+
+    def randn(*size: int, scale: float = 1.0) -> Tensor:
+        return torch.randn(size, generator=gen) * scale
+
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    labels[torch.rand(rows, generator=gen) < 0.25] = -100
+    student_input = randn(rows, hidden)
+    student_weight = randn(vocab, hidden, scale=2.0 / math.sqrt(hidden))
+    if close:
+        # beta 0.5: the JSD is about beta (1 - beta) / 2 * 4 * perturbation**2 per row.
+        perturbation = math.sqrt(3e-6 / (4 * 0.125))
+        teacher_input = student_input
+        teacher_weight = student_weight + perturbation * student_weight.std() * randn(vocab, hidden)
+        student_bias = teacher_bias = None
+        options = {"weight_hard_loss": 0.0, "weight_soft_loss": 1.0, "beta": 0.5}
+    else:
+        teacher_input = randn(rows, teacher_hidden)
+        teacher_weight = randn(vocab, teacher_hidden, scale=2.0 / math.sqrt(teacher_hidden))
+        student_bias, teacher_bias = randn(vocab), randn(vocab)
+        options = {"beta": 0.5, "chunk_size": 64}  # three chunks; hard and soft losses
+    tensors = {
+        "student_input": student_input,
+        "student_weight": student_weight,
+        "teacher_input": teacher_input,
+        "teacher_weight": teacher_weight,
+        "student_bias": student_bias,
+        "teacher_bias": teacher_bias,
+    }
+    converted = {k: None if v is None else v.to(dtype) for k, v in tensors.items()}
+    return Case(name, converted, labels, options)
+
+
+CASES: list[Callable[[], Case]] = [
+    lambda: make_case("bf16", torch.bfloat16),
+    lambda: make_case("fp32", torch.float32),
+    lambda: make_case("fp32-close", torch.float32, close=True),
+]
+
+
+def outputs(case: Case, fn: Callable[..., Tensor], dtype: torch.dtype | None = None) -> list[Any]:
+    """(loss, grad_input, grad_weight, grad_bias or None) of ``fn`` on the case, its tensors
+    converted to ``dtype`` when given."""
+    tensors = {
+        k: None if v is None else (v if dtype is None else v.to(dtype)).clone()
+        for k, v in case.tensors.items()
+    }
+    for name in GRAD_NAMES:
+        if tensors[name] is not None:
+            tensors[name].requires_grad_(True)  # type: ignore[union-attr]
+    loss = fn(
+        tensors["student_input"],
+        tensors["student_weight"],
+        tensors["teacher_input"],
+        tensors["teacher_weight"],
+        case.labels,
+        tensors["student_bias"],
+        tensors["teacher_bias"],
+        **case.options,
+    )
+    loss.backward()
+    grads = [None if tensors[n] is None else tensors[n].grad for n in GRAD_NAMES]  # type: ignore[union-attr]
+    return [loss.detach(), *grads]
+
+
+def kernel(*args: Any, chunk_size: int = 1024, **options: Any) -> Tensor:
+    return fused_linear_jsd(*args, chunk_size=chunk_size, implementation="torch", **options)
+
+
+def reference(*args: Any, chunk_size: int = 1024, **options: Any) -> Tensor:
+    return jsd_distillation_reference(*args, **options)
+
+
+def relative_error(value: Tensor, golden: Tensor) -> float:
+    """max |value - golden| / max |golden|."""
+    scale = golden.abs().max().item()
+    return (value.double() - golden).abs().max().item() / (scale or 1.0)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One output of one case: its error against the golden unmutated and mutated."""
+
+    case: str
+    output: str
+    before: float
+    after: float
+    changed: bool
+
+    def describe(self) -> str:
+        if not self.changed:
+            return f"{self.before:.2e} ="
+        ratio = self.after / self.before if self.before else math.inf
+        shown = f"{ratio:.2f}" if ratio < 10 else f"{ratio:.3g}"
+        return f"{self.before:.2e} -> {self.after:.2e} ({shown}x)"
+
+
+@dataclass(frozen=True)
+class Unmutated:
+    """A case with the golden's and the unmutated kernel's outputs."""
+
+    case: Case
+    golden: list[Any]
+    outputs: list[Any]
+
+
+def unmutated_cases() -> list[Unmutated]:
+    cases = [make() for make in CASES]
+    return [Unmutated(c, outputs(c, reference, torch.float64), outputs(c, kernel)) for c in cases]
+
+
+def measure_changes(name: str, cases: list[Unmutated]) -> tuple[list[Change], int]:
+    """Every output's change under mutation ``name``, and how many times the mutated code
+    changed a computation."""
+    mutation, _ = _mutations.MUTATIONS[name]
+    changes: list[Change] = []
+    _mutations.reset_hits()
+    for unmutated in cases:
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            mutation(monkeypatch)
+            after = outputs(unmutated.case, kernel)
+        again = outputs(unmutated.case, kernel)
+        for output, b, a, g, u in zip(
+            OUTPUT_NAMES, unmutated.outputs, after, unmutated.golden, again
+        ):
+            if g is None:
+                continue
+            if not torch.equal(b, u):
+                raise RuntimeError(f"{name}: the kernel's {output} differs after the undo")
+            changed = not torch.equal(a, b)
+            changes.append(
+                Change(
+                    unmutated.case.name, output, relative_error(b, g), relative_error(a, g), changed
+                )
+            )
+    return changes, _mutations.hits()
+
+
+# ------------------------------------------------------------------ the suite, under a mutation
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run of the suite: exit status, failed tests (node id -> first line of the
+    failure), tests run, the gate's regression count (None where its summary line was not
+    found), its lines that name a test or item (key: the line up to its last ": "), the
+    mutated code's hits in the test processes, and the wall time."""
+
+    status: int
+    failed: dict[str, str]
+    tests: int
+    regressions: int | None
+    gate_items: dict[str, str]
+    hits: int
+    seconds: float
+
+
+def junit_results(path: Path) -> tuple[int, dict[str, str]]:
+    """(tests run, failed tests with the first line of their failure) from pytest's JUnit XML."""
+    if not path.exists():
+        return 0, {}
+    tests, failed = 0, {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        tests += 1
+        for tag in ("failure", "error"):
+            element = case.find(tag)
+            if element is not None:
+                module = case.get("classname", "").rsplit(".", 1)[-1]
+                message = (element.get("message") or "").strip().splitlines() or [tag]
+                failed[f"{module}::{case.get('name')}"] = message[0][:160]
+    return tests, failed
+
+
+def gate_section(log: str) -> tuple[int | None, dict[str, str]]:
+    """The gate's regression count and its lines that name a test's item (in its ``gradref
+    baseline`` section of the terminal summary), keyed by the line up to its last ": " (the
+    test and item, without the numbers)."""
+    lines = log.splitlines()
+    start = next(
+        (i for i, line in enumerate(lines) if re.match(r"=+ gradref baseline =+", line)), None
+    )
+    if start is None:
+        return None, {}
+    section = []
+    for line in lines[start + 1 :]:
+        if line.startswith("=") or re.match(r"\d+ (passed|failed)", line):
+            break
+        section.append(line.strip())
+    found = re.search(r"(\d+) regressions?\b", section[0]) if section else None
+    # Lines about coverage (tests missing from this run, or not in the baseline) name no item.
+    items = {line.rsplit(": ", 1)[0]: line for line in section[1:]}
+    items = {key: line for key, line in items.items() if "::" in key}
+    return (int(found.group(1)) if found else None), items
+
+
+def run_suite(name: str, selection: list[str], workers: int, out: Path) -> Outcome:
+    """The selected kernel-suite tests under the CI baseline gate, with mutation ``name``
+    (none for UNMUTATED) applied in every test process; the log and JUnit XML go to ``out``."""
+    hits_dir = out / f"{name}.hits"
+    hits_dir.mkdir(parents=True, exist_ok=True)
+    for stale in hits_dir.glob("*.hits"):
+        stale.unlink()
+    junit = out / f"{name}.xml"
+    env = {k: v for k, v in os.environ.items() if k != _mutations.ENV}
+    if name != UNMUTATED:
+        env[_mutations.ENV] = name
+    env[_mutations.HITS_ENV] = str(hits_dir)
+    # Prepended: an environment that installs the plugin through PYTHONPATH keeps it.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), env.get("PYTHONPATH")) if p)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *selection,
+        "-p",
+        "_mutations",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        str(workers),
+        "-rfE",
+        "--tb=short",
+        f"--gradref-baseline={BASELINE}",
+        "--gradref-baseline-fail",
+        f"--junitxml={junit}",
+    ]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    (out / f"{name}.log").write_text(f"{' '.join(command)}\n\n{log}")
+    tests, failed = junit_results(junit)
+    regressions, gate_items = gate_section(log)
+    hits = sum(int(p.read_text() or 0) for p in hits_dir.glob("*.hits"))
+    return Outcome(done.returncode, failed, tests, regressions, gate_items, hits, seconds)
+
+
+# ------------------------------------------------------------------ the verdict
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a run caught its mutation (None: the run judged nothing), by the failed tests
+    and gate items it has beyond the unmutated run's."""
+
+    caught: bool | None
+    new_failed: dict[str, str]
+    new_gate_items: dict[str, str]
+
+
+def judge(outcome: Outcome, unmutated: Outcome | None) -> Verdict:
+    """Caught: pytest exited non-zero (1, a test failed; 6, the gate found a regression).
+    Where the unmutated suite fails already, only what fails beyond it counts: the tests that
+    fail and the gate's items that it does not report unmutated."""
+    if outcome.status in BROKEN_RUN:
+        return Verdict(None, {}, {})
+    if unmutated is None or unmutated.status == 0:
+        return Verdict(outcome.status != 0, outcome.failed, outcome.gate_items)
+    new_failed = {k: v for k, v in outcome.failed.items() if k not in unmutated.failed}
+    new_items = {k: v for k, v in outcome.gate_items.items() if k not in unmutated.gate_items}
+    return Verdict(bool(new_failed or new_items), new_failed, new_items)
+
+
+def expectation_failures(
+    name: str, changes: list[Change], outcome: Outcome, verdict: Verdict
+) -> list[str]:
+    """Why the run does not meet the mutation's expectation (empty: it does)."""
+    problems = []
+    expected = name != UNMUTATED and _mutations.MUTATIONS[name][1]
+    if name != UNMUTATED:
+        if not any(c.changed for c in changes):
+            problems.append("the mutation changed no output of the in-process check")
+        if outcome.hits == 0:
+            problems.append("the mutated code never changed a computation in the test processes")
+    if verdict.caught is None:
+        problems.append(
+            f"the run judged nothing: exit {outcome.status} ({BROKEN_RUN[outcome.status]})"
+        )
+    elif verdict.caught != expected:
+        problems.append("caught" if verdict.caught else "not caught")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(_mutations.MUTATIONS),
+        default=list(_mutations.MUTATIONS),
+        metavar="NAME",
+        help=f"run these mutations only (default: all of {', '.join(_mutations.MUTATIONS)}); "
+        "the unmutated suite always runs first, since the mutations are judged against it",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the table, the logs and JUnit XML (default: a new temporary folder, kept)",
+    )
+    parser.add_argument(
+        "-k",
+        dest="expression",
+        metavar="EXPR",
+        help=f"run tests/kernels -k EXPR instead of the subset ({' '.join(SUBSET_PATHS)} -k "
+        f"{SUBSET_K!r})",
+    )
+    parser.add_argument(
+        "-n", dest="workers", type=int, default=2, help="xdist workers (0: serial; default 2)"
+    )
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="precision_mutations-"))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.expression is None:
+        selection = [*SUBSET_PATHS, "-k", SUBSET_K]
+    else:
+        selection = ["tests/kernels", "-k", args.expression]
+    started = time.perf_counter()
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    say(
+        f"# python benchmarks/precision_mutations.py {' '.join(sys.argv[1:])}".rstrip()
+        + f" ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
+    )
+    say(
+        f"suite: pytest {' '.join(selection)} -n {args.workers} --gradref-baseline={BASELINE} "
+        "--gradref-baseline-fail"
+    )
+    say(f"logs: {out}")
+    say()
+    say("## Output change against the float64 golden")
+    say()
+    say("max |out - golden| / max |golden|, unmutated -> mutated (= bitwise unchanged); cases:")
+    say("bf16 and fp32: 150 rows (a quarter ignored), hidden 48/64, vocab 301, bias, beta 0.5,")
+    say("chunk_size 64; fp32-close: 96 rows, vocab 2048, soft loss only, per-row JSD ~3e-6")
+    say()
+    say("| mutation | case | " + " | ".join(OUTPUT_NAMES) + " |")
+    say("|---" * (len(OUTPUT_NAMES) + 2) + "|")
+    cases = unmutated_cases()
+    changes: dict[str, list[Change]] = {}
+    for name in args.only:
+        changes[name], _ = measure_changes(name, cases)
+        for case in dict.fromkeys(c.case for c in changes[name]):
+            cells = {c.output: c.describe() for c in changes[name] if c.case == case}
+            say(f"| {name} | {case} | " + " | ".join(cells.get(o, "") for o in OUTPUT_NAMES) + " |")
+    say()
+    say(f"({time.perf_counter() - started:.0f} s)")
+    say()
+    say("## The kernel suite under each mutation")
+    say()
+    say(
+        "failed tests and gate items: those beyond the unmutated run's where that run fails; "
+        "caught: exit status 1 or 6 (or, where the unmutated run fails, a failure beyond it)"
+    )
+    say()
+    say(
+        "| mutation | expected | outcome | failed tests | gate regressions | exit | mutated code "
+        "ran | time | result |"
+    )
+    say("|---|---|---|---|---|---|---|---|---|")
+    details: list[str] = []
+    failures = 0
+    unmutated: Outcome | None = None
+    for name in [UNMUTATED, *args.only]:
+        outcome = run_suite(name, selection, args.workers, out)
+        verdict = judge(outcome, unmutated)
+        if name == UNMUTATED:
+            unmutated = outcome
+        expected = name != UNMUTATED and _mutations.MUTATIONS[name][1]
+        problems = expectation_failures(name, changes.get(name, []), outcome, verdict)
+        failures += bool(problems)
+        shown = {None: "judged nothing", True: "caught", False: "not caught"}[verdict.caught]
+        regressions = "?" if outcome.regressions is None else str(outcome.regressions)
+        failed = f"{len(outcome.failed)} of {outcome.tests}"
+        if name != UNMUTATED and unmutated is not None and unmutated.status != 0:
+            failed += f" ({len(verdict.new_failed)} new)"
+            regressions += f" ({len(verdict.new_gate_items)} new items)"
+        ran = "-" if name == UNMUTATED else f"{outcome.hits}x"
+        result = "PASS" if not problems else "FAIL: " + "; ".join(problems)
+        say(
+            f"| {name} | {'caught' if expected else 'not caught'} | {shown} | {failed} | "
+            f"{regressions} | {outcome.status} | {ran} | {outcome.seconds:.0f} s | {result} |"
+        )
+        if verdict.new_failed or verdict.new_gate_items:
+            details.append(f"{name}:")
+            for test, message in list(verdict.new_failed.items())[:8]:
+                details.append(f"  FAILED {test}: {message}")
+            if len(verdict.new_failed) > 8:
+                details.append(f"  ... and {len(verdict.new_failed) - 8} more failed tests")
+            for line in list(verdict.new_gate_items.values())[:8]:
+                details.append(f"  gate: {line}")
+            if len(verdict.new_gate_items) > 8:
+                details.append(f"  ... and {len(verdict.new_gate_items) - 8} more gate items")
+    if details:
+        say()
+        say("## What caught them (beyond the unmutated run's failures, where it has any)")
+        say()
+        for line in details:
+            say(line)
+    say()
+    say(f"total {time.perf_counter() - started:.0f} s; {failures} expectation(s) failed")
+    (out / "precision_mutations.txt").write_text("\n".join(lines) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
