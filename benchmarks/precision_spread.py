@@ -1,7 +1,7 @@
 """How far the kernel suite's errors move between CPU code paths, against the CI baseline.
 
-Runs ``pytest tests/kernels`` on the CPU once per variant (oneDNN's ISA cap, ATen's CPU
-capability, thread count, serial or under xdist), writes each run's precision report into
+Runs ``pytest tests/kernels tests/adopters`` on the CPU once per variant (oneDNN's ISA cap,
+ATen's CPU capability, thread count, serial or under xdist), writes each run's precision report into
 ``--out``, and compares each with the committed baseline as the CI gate does. For every variant
 it prints the greatest growth of any item's error (the raw ratio, and the ratio the gate judges
 after the noise floor, greatest or normwise), the error in rounding steps of the item's dtype at
@@ -62,6 +62,7 @@ def run_variant(name: str, out: Path) -> Path:
         "-m",
         "pytest",
         "tests/kernels",
+        "tests/adopters",
         "-q",
         "-p",
         "no:cacheprovider",
