@@ -10,9 +10,9 @@ source stops the run, so a kernel change cannot turn a mutation into a silent no
 
 As a plugin (``-p _mutations``, with ``benchmarks/`` on ``PYTHONPATH``), it applies the
 mutation that ``GRADREF_MUTATION`` names as pytest configures, in every process (xdist's
-workers too), and says so in the header.
-Where ``GRADREF_MUTATION_HITS`` names a folder, each process writes there how many times the
-mutated code changed a computation (``<pid>.hits``): proof that the mutation reached the tests.
+workers too), and says so in the header. Where ``GRADREF_MUTATION_HITS`` names a folder, each
+process writes there how many times the mutated code changed a computation (``<pid>.hits``):
+proof that the mutation reached the tests.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Do the kernel suite's precision checks have teeth? Each realistic precision mistake of
-``benchmarks/_mutations.py``, applied to the kernel alone, must be caught.
+"""Do the kernel suite's precision checks catch realistic precision mistakes in the kernel?
+
+Each mistake of ``benchmarks/_mutations.py``, applied to the kernel alone, must be caught.
 
 For every mutation this first checks, in this process, that it changes the fused loss's outputs
 at all, and by how much against the float64 golden (relative max error before -> after, on a
@@ -9,9 +10,11 @@ of the kernel suite under the CI baseline gate (``--gradref-baseline=`` the comm
 baseline, ``--gradref-baseline-fail``) with the mutation applied inside the test processes
 (``-p _mutations``, ``benchmarks/`` on ``PYTHONPATH``, ``GRADREF_MUTATION=NAME``: nothing on
 disk changes), and checks that the mutated code ran there and that the run's verdict is the
-expected one: caught (a test fails, or the gate reports a regression: pytest exits non-zero,
-1 or 6) for the mistakes; not caught (exit status 0) for the unmutated suite (``none``) and
-the control (``reorder_noop``, a summation-order change). Exits 1 if any expectation fails.
+expected one: caught (a test's check fails, or the gate reports a regression: pytest exits 1
+or 6, and not by crashed tests alone) for the mistakes; not caught (exit status 0) for the
+unmutated suite (``none``, which runs first) and the control (``reorder_noop``, a
+summation-order change). Where the unmutated suite fails already, a mutation counts as caught
+only by failed tests or gate items beyond its. Exits 1 if any expectation fails.
 
     python benchmarks/precision_mutations.py                       # everything, on SUBSET
     python benchmarks/precision_mutations.py --only reorder_noop grad_input_rounded_twice
@@ -54,13 +57,14 @@ BASELINE = "tests/kernels/precision-baseline-cpu.json"
 UNMUTATED = "none"
 
 # The kernel-suite tests each run takes: those that judge precision, on the PyTorch path, at the
-# small sizes, in bfloat16 and float32 (about a tenth of the suite's time). Every mutation's
-# lines run in them, and each test that caught a mutation in a run of the whole suite but for
-# the Triton tests (benchmarks/results/cpu/precision_mutations.txt) is among them. Left out:
-# the Triton kernel's tests (its CPU interpreter is slow, and the mutations change the PyTorch
-# chunk math, or the chunk loop that both paths share), torch.compile's (the same operators,
+# small sizes, in bfloat16 and float32 (30 s of the suite's 650 s). Every mutated line runs in
+# them, and each mutation that a run of the whole suite but for the Triton tests caught has a
+# catching test among them (benchmarks/results/cpu/precision_mutations.txt). Left out: the
+# Triton kernel's tests (its CPU interpreter is slow, and the mutations change the PyTorch
+# chunk math or the chunk loop both paths share), torch.compile's (the same operators,
 # compiled around), the 8x128x1024x4096 reference cases (10 s each here), float16's loss
-# scaling (15 s; the bfloat16 tests run the same lines) and the tests of no precision.
+# scaling (15 s; the bfloat16 tests run the same lines), the chunk tests' second PyTorch
+# variant (the same math in slices) and the tests that judge no precision.
 SUBSET_PATHS = ["tests/kernels/test_chunk_kernels.py", "tests/kernels/test_fused_linear_jsd.py"]
 SUBSET_K = (
     "(test_correctness or test_grad_output or test_beta_endpoints or test_chunk_size"
@@ -140,13 +144,12 @@ CASES: list[Callable[[], Case]] = [
 def outputs(case: Case, fn: Callable[..., Tensor], dtype: torch.dtype | None = None) -> list[Any]:
     """(loss, grad_input, grad_weight, grad_bias or None) of ``fn`` on the case, its tensors
     converted to ``dtype`` when given."""
-    tensors = {
-        k: None if v is None else (v if dtype is None else v.to(dtype)).clone()
-        for k, v in case.tensors.items()
-    }
-    for name in GRAD_NAMES:
-        if tensors[name] is not None:
-            tensors[name].requires_grad_(True)  # type: ignore[union-attr]
+    tensors: dict[str, Tensor | None] = {}
+    for name, value in case.tensors.items():
+        if value is not None:
+            value = (value if dtype is None else value.to(dtype)).clone()
+            value.requires_grad_(name in GRAD_NAMES)
+        tensors[name] = value
     loss = fn(
         tensors["student_input"],
         tensors["student_weight"],
@@ -157,16 +160,20 @@ def outputs(case: Case, fn: Callable[..., Tensor], dtype: torch.dtype | None = N
         tensors["teacher_bias"],
         **case.options,
     )
-    loss.backward()
-    grads = [None if tensors[n] is None else tensors[n].grad for n in GRAD_NAMES]  # type: ignore[union-attr]
+    torch.autograd.backward(loss)
+    grads = [getattr(tensors[name], "grad", None) for name in GRAD_NAMES]
     return [loss.detach(), *grads]
 
 
-def kernel(*args: Any, chunk_size: int = 1024, **options: Any) -> Tensor:
-    return fused_linear_jsd(*args, chunk_size=chunk_size, implementation="torch", **options)
+def kernel(*args: Any, **options: Any) -> Tensor:
+    """The fused loss on its PyTorch path (the one the mutations change)."""
+    loss = fused_linear_jsd(*args, implementation="torch", **options)
+    assert isinstance(loss, Tensor)  # not return_soft_hard_loss
+    return loss
 
 
-def reference(*args: Any, chunk_size: int = 1024, **options: Any) -> Tensor:
+def reference(*args: Any, chunk_size: int = 0, **options: Any) -> Tensor:
+    """The full-logits reference, which has no chunks."""
     return jsd_distillation_reference(*args, **options)
 
 
@@ -266,7 +273,7 @@ def junit_results(path: Path) -> tuple[int, dict[str, str], dict[str, str]]:
     first line of its failure, from pytest's JUnit XML."""
     if not path.exists():
         return 0, {}, {}
-    tests, failed, crashed = 0, {}, {}
+    tests, failed, crashed = 0, dict[str, str](), dict[str, str]()
     for case in ElementTree.parse(path).iter("testcase"):
         tests += 1
         for tag in ("failure", "error"):
@@ -365,7 +372,7 @@ def judge(outcome: Outcome, unmutated: Outcome | None) -> Verdict:
     if outcome.status in BROKEN_RUN:
         return Verdict(None, {}, {})
     if unmutated is None or unmutated.status == 0:
-        crashes_alone = outcome.status == 1 and outcome.crashed and not outcome.failed
+        crashes_alone = outcome.status == 1 and bool(outcome.crashed) and not outcome.failed
         caught = outcome.status != 0 and not crashes_alone
         return Verdict(caught, outcome.failed, outcome.gate_items)
     new_failed = {k: v for k, v in outcome.failed.items() if k not in unmutated.failed}
@@ -464,7 +471,7 @@ def main() -> int:
             cells = {c.output: c.describe() for c in changes[name] if c.case == case}
             say(f"| {name} | {case} | " + " | ".join(cells.get(o, "") for o in OUTPUT_NAMES) + " |")
     say()
-    say(f"({time.perf_counter() - started:.0f} s)")
+    say(f"(the in-process check took {time.perf_counter() - started:.0f} s)")
     say()
     say("## The kernel suite under each mutation")
     say()

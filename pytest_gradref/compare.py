@@ -176,6 +176,11 @@ class ItemCheck:
     # noise model, diff.py): the golden's greatest finite magnitude (or, for a scalar value,
     # the sum of its first-order terms where larger), else the expected's; NaN where unknown.
     scale: float = math.nan
+    # For a budget: the same-dtype reference's own greatest and normwise relative error vs the
+    # golden, the rounding noise of a plain computation of the item in its dtype (the gate
+    # counts a float32 item's errors below them as noise); NaN otherwise.
+    reference_error: float = math.nan
+    reference_norm_rel: float = math.nan
 
 
 # What a failure says of an item whose actual result is None.
@@ -666,6 +671,8 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
         errors.rounded_max,
         norm_rel=_ratio(errors.own_norm, errors.golden_norm),
         scale=errors.scale,
+        reference_error=errors.reference_max,
+        reference_norm_rel=_ratio(errors.reference_norm, errors.golden_norm),
     )
 
 

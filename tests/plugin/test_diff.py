@@ -923,3 +923,38 @@ def test_simulated_against_real_shows_changes_without_calling_them_regressions(
     status, out, _ = _diff(capsys, _write(tmp_path / "sim.json", cuda), new)
     assert status == 1
     assert "1 regression in 5 compared items" in out
+
+
+def test_a_full_precision_items_noise_is_at_least_its_references_own_error(
+    tmp_path: Path,
+) -> None:
+    # The kernel suite's close-student loss (float32, about 1e-6): a summation-order change
+    # moved its error from 1.5e-12 to 4.9e-12, 12 to 41 rounding steps of its own scale, within
+    # what a plain float32 reference errs there: noise of an ill-conditioned item.
+    def report(error: float, dtype: str, reference: float) -> dict[str, Any]:
+        document = copy.deepcopy(BASE)
+        item = _item("value", error, dtype=dtype, scale=1e-6, norm_rel=error / 1e-6)
+        item["reference_error"] = reference
+        item["reference_norm_rel"] = reference / 1e-6
+        document["tests"] = [_test("t.py::test_close", item)]
+        return document
+
+    def compare(before: float, after: float, dtype: str, reference: float) -> Any:
+        base = _write(tmp_path / "b.json", report(before, dtype, reference))
+        new = _write(tmp_path / "n.json", report(after, dtype, reference))
+        return diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+
+    noise = compare(1.5e-12, 4.9e-12, "float32", 5e-12)
+    assert not noise.regressions
+    assert noise.items[0].noise_floor == pytest.approx(5e-12)
+    # Past the reference's own error, growth counts again.
+    assert compare(1.5e-12, 2e-11, "float32", 5e-12).regressions
+    # A reference's error counts up to REFERENCE_NOISE_STEPS steps, no further: a formula as
+    # unstable as a plain reference's (here one erring 8,400 steps) is still caught.
+    step = diff_module.EPSILONS["float32"] * 1e-6
+    capped = compare(3.6e-12, 5.8e-10, "float32", 1e-9)
+    assert capped.items[0].noise_floor == pytest.approx(diff_module.REFERENCE_NOISE_STEPS * step)
+    assert capped.regressions
+    # bf16 items are judged in steps alone: a naive bf16 reference's error (here 128 steps)
+    # says nothing of a float32-internal kernel's, whose growth from 6 steps to 64 is caught.
+    assert compare(5e-8, 5e-7, "bfloat16", 1e-6).regressions
