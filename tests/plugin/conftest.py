@@ -59,6 +59,23 @@ def _clean_gradref_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_rerunfailures_in_generated_runs(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Generated runs load pytest-rerunfailures only where a test asks for it
+    (test_beside_plugins.py removes this again).
+
+    Wherever xdist is installed, rerunfailures starts a socket server thread in every run that
+    never shuts down; under coverage (CI's lower-bound job runs with --cov, which follows
+    subprocesses) and -n, such a subprocess run hung at exit for the whole 600 s timeout.
+    """
+    if "pytester" not in request.fixturenames:
+        return
+    request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts: set it after
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:rerunfailures")
+
+
 @pytest.fixture
 def npu_on_cpu(pytester: pytest.Pytester) -> Callable[[str], None]:
     """Write the npu-on-CPU conftest, plus any extra conftest source."""

@@ -187,7 +187,10 @@ def test_flaky(grad_reference):
 """
 
 
-def test_a_rerun_test_is_recorded_by_its_last_run(pytester: pytest.Pytester) -> None:
+def test_a_rerun_test_is_recorded_by_its_last_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTEST_ADDOPTS")  # conftest.py keeps rerunfailures out of other runs
     pytester.makepyfile(test_flaky=FLAKY)
     result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=r.json", "--reruns=2")
     assert result.parseoutcomes() == {"passed": 1, "rerun": 1}
