@@ -11,7 +11,8 @@ baseline, ``--gradref-baseline-fail``) with the mutation applied inside the test
 (``-p _mutations``, ``benchmarks/`` on ``PYTHONPATH``, ``GRADREF_MUTATION=NAME``: nothing on
 disk changes), and checks that the mutated code ran there and that the run's verdict is the
 expected one: caught (a test's check fails, or the gate reports a regression: pytest exits 1
-or 6, and not by crashed tests alone) for the mistakes; not caught (exit status 0) for the
+or 6, and not by crashed tests alone), with at least one item flagged by the gate, for the
+mistakes; not caught (exit status 0) for the
 unmutated suite (``none``, which runs first) and the control (``reorder_noop``, a
 summation-order change). Where the unmutated suite fails already, a mutation counts as caught
 only by failed tests or gate items beyond its. Exits 1 if any expectation fails.
@@ -397,6 +398,9 @@ def expectation_failures(
         )
     elif verdict.caught != expected:
         problems.append("caught" if verdict.caught else "not caught")
+    elif expected and not verdict.new_gate_items:
+        # A test written for one mistake is no gate: each must be flagged through an item.
+        problems.append("caught by tests alone: the gate flagged no item")
     return problems
 
 

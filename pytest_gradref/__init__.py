@@ -16,8 +16,10 @@ if TYPE_CHECKING:
     from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
     from pytest_gradref.computation import compute_reference
     from pytest_gradref.fixture import GradReference
+    from pytest_gradref.ranks import RankContext
     from pytest_gradref.recording import Disagreement
     from pytest_gradref.reference import Reference
+    from pytest_gradref.sharding import ShardedReference
     from pytest_gradref.strategies import Strategy, StrategyChoice
     from pytest_gradref.warning_types import GoldenPrecisionWarning, GradrefWarning
 
@@ -30,7 +32,9 @@ __all__ = [
     "GoldenPrecisionWarning",
     "GradReference",
     "GradrefWarning",
+    "RankContext",
     "Reference",
+    "ShardedReference",
     "Strategy",
     "StrategyChoice",
     "Tolerance",
@@ -48,7 +52,9 @@ _HOMES = {
     "GoldenPrecisionWarning": "warning_types",
     "GradReference": "fixture",
     "GradrefWarning": "warning_types",
+    "RankContext": "ranks",
     "Reference": "reference",
+    "ShardedReference": "sharding",
     "Strategy": "strategies",
     "StrategyChoice": "strategies",
     "Tolerance": "compare",

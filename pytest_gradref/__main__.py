@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument(
         "--allow-mismatch",
         action="store_true",
-        help="compare even where the base seeds or the tests' strategies differ",
+        help="compare even where the tests' inputs (for reports before format 3: the base "
+        "seeds) or strategies differ",
     )
     diff.add_argument("--format", choices=FORMATS, default="text", help="output format")
     diff.add_argument(

@@ -50,6 +50,9 @@ class Backend:
         count_devices: how many devices are visible; None asks torch's per-backend module.
         cpu_only_dtypes: dtypes the device cannot compute in (by name); golden references
             in those dtypes are computed on the CPU.
+        collective_backend: the torch.distributed backend its multi-rank tests initialise
+            (``@pytest.mark.gradref_ranks``): "gloo", "nccl", "hccl", or a plugin's own; None
+            where the device has no collective library, which skips those tests.
     """
 
     name: str
@@ -61,6 +64,7 @@ class Backend:
     visible_devices_env: str | None = None
     count_devices: Callable[[], int] | None = None
     cpu_only_dtypes: frozenset[str] = frozenset()
+    collective_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.default_strategy not in STRATEGIES:
@@ -290,6 +294,7 @@ def builtin_backends() -> Iterable[Backend]:
             probe=_probe_cuda,
             auto_rank=10,
             visible_devices_env="CUDA_VISIBLE_DEVICES",
+            collective_backend="nccl",  # RCCL on ROCm, under the same name
         ),
         # On Ascend, autograd and torch.func.grad_and_value disagree slightly in some ops, so a
         # kernel that uses grad_and_value inside is checked against a grad_and_value reference.
@@ -302,6 +307,7 @@ def builtin_backends() -> Iterable[Backend]:
             visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
             # Ascend runs few float64 kernels, so float64 goldens are computed on the CPU.
             cpu_only_dtypes=frozenset({"float64"}),
+            collective_backend="hccl",  # registered with torch.distributed by torch_npu
         ),
         Backend(
             name="xpu",
@@ -309,6 +315,7 @@ def builtin_backends() -> Iterable[Backend]:
             probe=_probe_xpu,
             auto_rank=30,
             visible_devices_env="ZE_AFFINITY_MASK",
+            collective_backend="xccl",  # torch 2.8 and later
         ),
         Backend(
             name="mps",
@@ -317,7 +324,7 @@ def builtin_backends() -> Iterable[Backend]:
             auto_rank=40,
             cpu_only_dtypes=frozenset({"float64"}),  # MPS has no float64
         ),
-        Backend(name="cpu", device_type="cpu", auto_rank=1000),
+        Backend(name="cpu", device_type="cpu", auto_rank=1000, collective_backend="gloo"),
     )
 
 

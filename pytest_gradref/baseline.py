@@ -17,6 +17,7 @@ import pytest
 
 from pytest_gradref.diff import (
     DEFAULT_THRESHOLD,
+    INPUTS_FORMAT,
     MIN_THRESHOLD,
     Diff,
     Report,
@@ -69,10 +70,14 @@ class BaselineGate:
             baseline = load_report(path)
         except UnusableInput as error:
             raise pytest.UsageError(f"--gradref-baseline: {error}") from None
-        if baseline.base_seed != collector.base_seed:
+        # A baseline with input fingerprints is judged by them at the end, whatever the seeds
+        # (a suite that seeds its own tests draws the same numbers under any seed); an older
+        # one by its base seed, before any test runs.
+        if baseline.format_version < INPUTS_FORMAT and baseline.base_seed != collector.base_seed:
+            used = "seeding off" if collector.base_seed is None else collector.base_seed
             raise pytest.UsageError(
                 f"--gradref-baseline: {path} was written with base seed {baseline.base_seed}, "
-                f"this run uses {collector.base_seed}: the tests draw other numbers, so their "
+                f"this run uses {used}: the tests draw other numbers, so their "
                 f"errors are not comparable; run with --gradref-seed={baseline.base_seed} or "
                 "write the baseline again"
             )

@@ -181,6 +181,9 @@ class ItemCheck:
     # counts a float32 item's errors below them as noise); NaN otherwise.
     reference_error: float = math.nan
     reference_norm_rel: float = math.nan
+    # How many elements the item has: the gate's rounding statistics of a half-precision
+    # item's normwise error depend on it (diff.py's drift band); 0 where unknown.
+    numel: int = 0
 
 
 # What a failure says of an item whose actual result is None.
@@ -569,6 +572,7 @@ def _tolerance_check(
         detail,
         norm_rel=norm_rel,
         scale=scale,
+        numel=actual.numel(),
     )
 
 
@@ -673,6 +677,7 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
         scale=errors.scale,
         reference_error=errors.reference_max,
         reference_norm_rel=_ratio(errors.reference_norm, errors.golden_norm),
+        numel=item.actual.numel() if item.actual is not None else 0,
     )
 
 

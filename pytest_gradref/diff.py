@@ -19,9 +19,10 @@ dtype, and the item's ratio is the larger of the two: a systematic error spread 
 many elements grows the norm first. The absolute ``floor`` stays beneath, for items of older
 reports without a scale, so that exact zeros do not make infinite ratios. A float32 or float64
 item's floor is also at least its same-dtype reference's own error (``reference_error``, and
-``reference_norm_rel`` for the norm), up to REFERENCE_NOISE_STEPS steps: the rounding noise of
-a plain computation of the item, which an ill-conditioned item (a small difference of large
-sums) shows in many steps of its own scale.
+``reference_norm_rel`` for the norm), up to REFERENCE_NOISE_STEPS steps or REFERENCE_NOISE_OWN
+times the item's own error before, whichever is more: the rounding noise of a plain
+computation of the item, which an ill-conditioned item (a small difference of large sums)
+shows in many steps of its own scale.
 
 This module imports neither torch nor pytest: ``pytest-gradref diff`` starts fast.
 """
@@ -36,7 +37,10 @@ from typing import Any
 
 # Kept equal to pytest_gradref.report.FORMAT_VERSION (a test checks it): importing report.py
 # would import pytest.
-FORMAT_VERSIONS = frozenset({1, 2})
+FORMAT_VERSIONS = frozenset({1, 2, 3})
+# The first format whose tests record a fingerprint of each reference's inputs ("inputs"),
+# which decides whether two reports compare (see mismatches).
+INPUTS_FORMAT = 3
 DEFAULT_THRESHOLD = 2.0
 # A threshold below 1 would call unchanged errors regressions.
 MIN_THRESHOLD = 1.0
@@ -47,6 +51,24 @@ DEFAULT_FLOOR = 1e-12
 # the docstring). Chosen from the spread measured across CPU code paths
 # (benchmarks/precision_spread.py, benchmarks/results/cpu/precision_spread.txt).
 DEFAULT_NOISE = 4.0
+# A half-precision item's normwise error is mostly the rounding of each element to its dtype,
+# which a change of summation order (another CPU path, thread count or host) re-draws for at
+# most the elements near a rounding boundary. Were every element's rounding re-drawn, the norm
+# would move by a relative standard deviation of ROUNDING_NORM_SPREAD / sqrt(numel)
+# (sqrt(Var(e^2)) / E(e^2) / 2 for a uniform rounding error e); a normwise growth beyond
+# DRIFT_SIGMAS of those is a systematic change, however small beside the threshold. Measured
+# on the kernel suite (benchmarks/results/cpu/precision_spread.txt): ATen's scalar path moved
+# its 194 bf16 items' norms by 0.994x to 1.004x, while a gradient rounded twice, or accumulated
+# in bf16, moved theirs by 1.08x to 1.31x (a band of about 1.04x at their 4,000 elements).
+ROUNDING_NORM_SPREAD = 0.447
+DRIFT_SIGMAS = 6.0
+# Normwise errors below this share of a rounding step (relative) are raised to it before a
+# drift is judged: an item whose elements are nearly all exact moves by few elements.
+DRIFT_FLOOR_STEPS = 1 / 16
+# Items smaller than this keep the noise floor of `noise` steps: the band leans on a sum of
+# many squared roundings being near normal, and would be loose there anyway (1.17x at 256).
+DRIFT_MIN_NUMEL = 256
+_HALF_PRECISION = frozenset({"float16", "bfloat16"})
 # Machine epsilons by dtype name (torch.finfo's; this module imports no torch).
 EPSILONS = {
     "float16": 2.0**-10,
@@ -81,6 +103,8 @@ class Report:
     default_strategy: str | None = None
     # Run on a simulated device (--gradref-simulate): the CPU's operators, not the device's.
     simulated: bool = False
+    # A simulated run's numerics ("cpu", "ascend"); None for a real device or an older report.
+    simulated_numerics: str | None = None
     # Every device the tests ran on (npu:0, npu:1 under -n 2); empty where an older report
     # does not record them, or no test used the device.
     devices: tuple[str, ...] = ()
@@ -96,9 +120,15 @@ class Report:
             where = f"devices={','.join(self.devices)}"
         return (
             f"{where}{' (simulated)' if self.simulated else ''} "
-            f"backend={self.backend} strategy={strategy} seed={self.base_seed} torch={self.torch} "
+            f"backend={self.backend} strategy={strategy} seed={self.seed_text()} "
+            f"torch={self.torch} "
             f"({len(self.tests)} {'test' if len(self.tests) == 1 else 'tests'})"
         )
+
+    def seed_text(self) -> str:
+        """The base seed, or "off" where gradref did not seed (--gradref-seed=off)."""
+        off = self.base_seed is None and self.format_version >= INPUTS_FORMAT
+        return "off" if off else str(self.base_seed)
 
     def strategy_origin(self, record: dict[str, Any]) -> str:
         """Why a test of this report has the strategies it has: what a refusal names."""
@@ -182,6 +212,7 @@ def parse_report(document: Any, name: str) -> Report:
         tests=tests,
         default_strategy=default_strategy,
         simulated=document.get("simulated") is True,
+        simulated_numerics=document.get("simulated_numerics"),
         devices=tuple(devices),
     )
 
@@ -211,6 +242,12 @@ class ItemDiff:
     normwise: bool = False
     # What would have been a regression but is not counted as one (see Diff.uncounted_why).
     uncounted: str = ""
+    # The normwise errors' noise floor (see noise_floor), and for a half-precision item of
+    # known size the greatest normwise growth its rounding noise explains (see _drift_band;
+    # NaN where not judged).
+    norm_noise_floor: float = math.nan
+    numel: int = 0
+    drift_band: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -316,15 +353,46 @@ def _follows_device_defaults(base: Report, new: Report, nodeid: str) -> bool:
     )
 
 
+def _inputs_differ(old: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a test's references were computed from other inputs: by their fingerprints, in
+    order (a test that stopped early on one side is judged on the references both computed);
+    by the seed torch held where a reference has none (a Hypothesis example, a tensor
+    subclass)."""
+    pairs = list(zip(old.get("inputs") or [], now.get("inputs") or []))
+    if all(a is not None and b is not None for a, b in pairs):
+        return any(a != b for a, b in pairs)
+    return bool(old.get("torch_seed") != now.get("torch_seed"))
+
+
 def mismatches(base: Report, new: Report) -> list[str]:
-    """Differences of set-up that make the errors incomparable: base seed, strategy per test
-    (other than each device's default strategy on two devices)."""
+    """Differences of set-up that make the errors incomparable: tests whose references were
+    computed from other inputs (judged by the fingerprints of their inputs where both reports
+    record them, whatever the seeds: a suite that seeds its own tests draws the same numbers
+    under any base seed; by the base seed for older reports), strategy per test (other than
+    each device's default strategy on two devices)."""
     found = []
-    if base.base_seed != new.base_seed:
-        found.append(f"base seeds differ: {base.base_seed} in base, {new.base_seed} in new")
+    common = sorted(base.tests.keys() & new.tests.keys())
+    if min(base.format_version, new.format_version) < INPUTS_FORMAT:
+        if base.base_seed != new.base_seed:
+            found.append(f"base seeds differ: {base.seed_text()} in base, {new.seed_text()} in new")
+    else:
+        other_inputs = [n for n in common if _inputs_differ(base.tests[n], new.tests[n])]
+        if other_inputs:
+            shown = 5
+            more = len(other_inputs) - shown
+            count = len(other_inputs)
+            found.append(
+                f"inputs differ in {count} {'test' if count == 1 else 'tests'}: "
+                + ", ".join(other_inputs[:shown])
+                + (f" and {more} more" if more > 0 else "")
+                + " (the fingerprints of their references' inputs differ, or where a reference "
+                "has none the seeds torch held: numbers drawn under another seed, or from "
+                "another device's generator; to compare across devices, draw the inputs on "
+                "the CPU and move them)"
+            )
     differing = [
         nodeid
-        for nodeid in sorted(base.tests.keys() & new.tests.keys())
+        for nodeid in common
         if base.tests[nodeid].get("strategies") != new.tests[nodeid].get("strategies")
         # A test that computed no reference on one side (it failed or xfailed first) has
         # nothing to compare; its items are listed as only in the other report.
@@ -347,6 +415,16 @@ def mismatches(base: Report, new: Report) -> list[str]:
 def simulation_differs(base: Report, new: Report) -> str:
     """Why the two reports' changes are no regressions when one ran on a simulated device and
     the other did not ("" otherwise)."""
+    if base.simulated and new.simulated:
+        numerics = (base.simulated_numerics or "cpu", new.simulated_numerics or "cpu")
+        if numerics[0] == numerics[1]:
+            return ""
+        return (
+            f"base ran the simulated npu with {numerics[0]} numerics, new with {numerics[1]} "
+            "(--gradref-simulate-numerics): their errors differ by the modelled numerics, not "
+            "by a change of the code; shown, not counted as regressions (compare runs of the "
+            "same numerics to gate); a NaN or a failure still counts"
+        )
     if base.simulated == new.simulated:
         return ""
     which = "new" if new.simulated else "base"
@@ -366,11 +444,19 @@ def _step(old: dict[str, Any], now: dict[str, Any]) -> tuple[float, float]:
     return (epsilon * max(scales) if scales else math.nan), epsilon
 
 
-# The most rounding steps at its scale that a float32 or float64 item's reference error can
-# add to its noise floor (see _reference_noise): a summation-order change moved the kernel
+# The most rounding steps at its scale that a float32 or float64 item's reference error
+# adds to its noise floor (see _reference_noise): a summation-order change moved the kernel
 # suite's close-student loss from 12 steps to 41 (noise), while a less stable formula moved it
 # from 30 to 4,800, as bad as its plain float32 reference (caught).
 REFERENCE_NOISE_STEPS = 64.0
+# ... or up to this many times the item's own error before, where that is more: an item that
+# erred about as much as its plain reference is a plain computation of an ill-conditioned
+# value, whose error moves with the reference's (the close-student gradients, 280 steps, grew
+# up to 2.23x between ATen's vectorized and scalar paths, their references' errors 1.4x to
+# 1.6x; judged at the reference's error, 1.64x at most), while an item far more accurate than
+# its reference (the close-student loss, 30 steps against 4,800) keeps the digits it earned
+# guarded.
+REFERENCE_NOISE_OWN = 2.0
 # Dtypes whose references are plain computations of the item in that dtype, so that their own
 # error is the item's rounding noise there (see _reference_noise).
 _FULL_PRECISION = frozenset({"float32", "float64", "complex64", "complex128"})
@@ -394,11 +480,33 @@ def _reference_noise(old: dict[str, Any], now: dict[str, Any]) -> tuple[float, f
     return found[0], found[1]
 
 
+def _capped(reference: float, step: float, before: float) -> float:
+    """A float32 item's reference error, as far as it counts as noise (see
+    REFERENCE_NOISE_STEPS and REFERENCE_NOISE_OWN)."""
+    own = REFERENCE_NOISE_OWN * before if math.isfinite(before) else 0.0
+    return min(reference, max(REFERENCE_NOISE_STEPS * step, own))
+
+
 def _growth(before: float, after: float, floor: float) -> float:
     """after / before with both raised to the floor; NaN where either is NaN."""
     if math.isnan(before) or math.isnan(after):
         return math.nan
     return max(after, floor) / max(before, floor)
+
+
+def _numel(old: dict[str, Any], now: dict[str, Any]) -> int:
+    """The item's element count where both reports record the same one, else 0."""
+    counts = {item.get("numel") for item in (old, now)}
+    (count,) = counts if len(counts) == 1 else (0,)
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def _drift_band(dtype: str, numel: int) -> float:
+    """The greatest normwise growth that re-drawn roundings explain for a half-precision item
+    of ``numel`` elements (see ROUNDING_NORM_SPREAD); NaN for other items."""
+    if dtype not in _HALF_PRECISION or numel < DRIFT_MIN_NUMEL:
+        return math.nan
+    return 1 + DRIFT_SIGMAS * ROUNDING_NORM_SPREAD / math.sqrt(numel)
 
 
 def _verdict(item: ItemDiff, threshold: float) -> str:
@@ -408,6 +516,12 @@ def _verdict(item: ItemDiff, threshold: float) -> str:
         return "now fails"
     if item.ratio > threshold:
         return f"{'normwise ' if item.normwise else ''}error grew {item.ratio:.3g}x"
+    if item.normwise and item.ratio > item.drift_band:  # False for a NaN band
+        return (
+            f"normwise error drifted {item.ratio:.3g}x ({item.norm_before:.3g} -> "
+            f"{item.norm_after:.3g}): rounding noise moves it {item.drift_band:.3g}x at most "
+            f"over {item.numel} elements"
+        )
     return ""
 
 
@@ -446,24 +560,31 @@ def compare(
             step, relative_step = _step(old, now)
             noise_floor = max(floor, noise * step) if math.isfinite(step) else floor
             reference_max, reference_norm = _reference_noise(old, now)
+            norm_before, norm_after = _number(old.get("norm_rel")), _number(now.get("norm_rel"))
             if math.isfinite(step):
-                reference_max = min(reference_max, REFERENCE_NOISE_STEPS * step)
-                reference_norm = min(reference_norm, REFERENCE_NOISE_STEPS * relative_step)
+                reference_max = _capped(reference_max, step, before)
+                reference_norm = _capped(reference_norm, relative_step, norm_before)
             noise_floor = max(noise_floor, reference_max)
             ratio = _growth(before, after, noise_floor)
-            norm_before, norm_after = _number(old.get("norm_rel")), _number(now.get("norm_rel"))
+            dtype = str(now.get("dtype", old.get("dtype", "-")))
+            numel = _numel(old, now)
+            drift_band = _drift_band(dtype, numel)
             normwise = False
+            norm_floor = math.nan
             if math.isfinite(relative_step) and not (
                 math.isnan(norm_before) or math.isnan(norm_after)
             ):
                 norm_floor = max(floor, noise * relative_step, reference_norm)
+                if math.isfinite(drift_band):
+                    # Judged by its rounding statistics instead (see _drift_band).
+                    norm_floor = max(floor, DRIFT_FLOOR_STEPS * relative_step)
                 norm_ratio = _growth(norm_before, norm_after, norm_floor)
                 if norm_ratio > ratio:
                     ratio, normwise = norm_ratio, True
             item = ItemDiff(
                 nodeid=nodeid,
                 label=label,
-                dtype=str(now.get("dtype", old.get("dtype", "-"))),
+                dtype=dtype,
                 before=before,
                 after=after,
                 ratio=ratio,
@@ -476,6 +597,9 @@ def compare(
                 norm_before=norm_before,
                 norm_after=norm_after,
                 normwise=normwise,
+                norm_noise_floor=norm_floor,
+                numel=numel,
+                drift_band=drift_band,
             )
             verdict = _verdict(item, threshold)
             # Across a simulated and a real device only growth is the code path's: a NaN or a

@@ -6,7 +6,7 @@ import json
 import math
 from typing import Any
 
-from pytest_gradref.diff import Diff, ItemDiff, Missing
+from pytest_gradref.diff import DRIFT_SIGMAS, Diff, ItemDiff, Missing
 
 FORMATS = ("text", "markdown", "json")
 
@@ -34,9 +34,14 @@ def _floored(item: ItemDiff) -> bool:
     """Whether the item's ratio is not after / before because its noise floor (``noise_floor``,
     at least --floor) raised one error or both. An unchanged error is left unmarked: its ratio
     of 1 reads true either way."""
-    if math.isnan(item.ratio) or item.before == item.after:
+    before, after, floor = (
+        (item.norm_before, item.norm_after, item.norm_noise_floor)
+        if item.normwise
+        else (item.before, item.after, item.noise_floor)
+    )
+    if math.isnan(item.ratio) or before == after:
         return False
-    return min(item.before, item.after) < item.noise_floor
+    return min(before, after) < floor
 
 
 def _share(value: float) -> str:
@@ -54,7 +59,7 @@ def _mark(item: ItemDiff) -> str:
     if item.regression:
         return item.regression
     if item.uncounted:
-        return f"{item.uncounted} (not counted: simulated vs real)"
+        return f"{item.uncounted} (not counted: see the note)"
     return ""
 
 
@@ -68,7 +73,11 @@ def _shown(diff: Diff, top: int) -> list[ItemDiff]:
 def noise_phrase(noise: float) -> str:
     """How the verdict line states the noise rule."""
     steps = "a rounding step" if noise == 1 else f"{noise:g} rounding steps"
-    return f"errors within {steps} of their dtype at their scale count as noise"
+    return (
+        f"errors within {steps} of their dtype at their scale count as noise; a half-precision "
+        f"item's normwise error drifts when it grows past {DRIFT_SIGMAS:g} sigmas of its "
+        "rounding noise"
+    )
 
 
 def _verdict_line(diff: Diff) -> str:
@@ -210,6 +219,10 @@ def render_json(diff: Diff) -> str:
                 "norm_before": _json_number(item.norm_before),
                 "norm_after": _json_number(item.norm_after),
                 "normwise": item.normwise,
+                "norm_noise_floor": _json_number(item.norm_noise_floor),
+                # A half-precision item's drift band, "nan" where not judged (see diff.py).
+                "drift_band": _json_number(item.drift_band),
+                "numel": item.numel,
                 "headroom_before": _json_number(item.headroom_before),
                 "headroom_after": _json_number(item.headroom_after),
                 "passed_before": item.passed_before,

@@ -76,8 +76,8 @@ class GradReference:
         asks for those alone. With ``golden=torch.float64`` the reference is also computed
         in that dtype, for ``Reference.assert_close(..., budget=k)``; with ``rounded=True``
         also with every floating-point result rounded to the compute dtype (the least precise
-        floating input's), and a budget then counts from the larger of the two references'
-        errors. ``golden`` and ``rounded`` left as None take the marker's.
+        floating input's, differentiated or not), and a budget then counts from the larger of
+        the two references' errors. ``golden`` and ``rounded`` left as None take the marker's.
         """
         __tracebackhide__ = True
         return self._compute(
@@ -141,7 +141,7 @@ class GradReference:
         wanted = golden if golden is not None else automatic
         if wanted is not None and dtype_name(wanted) in self.golden_on_cpu:
             golden_device = torch.device("cpu")
-        return compute_reference(
+        reference = compute_reference(
             fn,
             args,
             kwargs,
@@ -156,3 +156,7 @@ class GradReference:
             rounded=rounded if rounded is not None else self.rounded,
             default_golden=automatic,
         )
+        if self.policy.recording is not None:
+            # After the reference, which validated the arguments and never changes them.
+            self.policy.recording.add_inputs(fn, args, kwargs)
+        return reference

@@ -6,8 +6,8 @@ xfailed and skipped (never a pass that swallowed an exception).
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -16,7 +16,8 @@ from pytest_gradref.numbers import number_problem
 from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
 
 if TYPE_CHECKING:
-    from pytest_gradref.compare import ToleranceOverride
+    from pytest_gradref.auxiliary import AuxKey
+    from pytest_gradref.compare import Tolerance, ToleranceOverride
 
 MARKER_LINES = (
     "gradref_xfail(*devices, reason, raises=None, strict=xfail_strict): expect the test to "
@@ -27,18 +28,34 @@ MARKER_LINES = (
     "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
     "is one of devices.",
     "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None, rounded=False, "
-    "check_dtype=True): per-test reference strategy, tolerance overrides, golden dtype, error "
-    "budget, whether the budget also counts from the reference rounded to the compute dtype at "
-    "every step, and whether a result less precise than its reference fails on its dtype.",
+    "check_dtype=True, aux_tolerances=None): per-test reference strategy, tolerance overrides, "
+    "golden dtype, error budget, whether the budget also counts from the reference rounded to "
+    "the compute dtype at every step, whether a result less precise than its reference fails "
+    "on its dtype, and tolerances of aux items by top-level key or label (as assert_close's).",
+    "gradref_ranks(world_size, timeout=None): run the test's body in world_size processes on "
+    "torch.distributed, one rank each (the gradref_rank fixture says which), with the gradref "
+    "backend's collective library (gloo on the CPU, NCCL on cuda, HCCL on npu); timeout, in "
+    "seconds, overrides --gradref-rank-timeout for this test.",
 )
 DEVICE_MARKERS = ("gradref_xfail", "gradref_skip", "gradref_only")
-ALL_MARKERS = (*DEVICE_MARKERS, "gradref")
+# Read by ranks.py, which runs such a test's body in its rank processes.
+RANKS_MARKER = "gradref_ranks"
+ALL_MARKERS = (*DEVICE_MARKERS, "gradref", RANKS_MARKER)
 
 _KEYWORDS: dict[str, tuple[str, ...]] = {
     "gradref_xfail": ("reason", "raises", "strict"),
     "gradref_skip": ("reason",),
     "gradref_only": ("reason",),
-    "gradref": ("strategy", "rtol", "atol", "golden", "budget", "rounded", "check_dtype"),
+    "gradref": (
+        "strategy",
+        "rtol",
+        "atol",
+        "golden",
+        "budget",
+        "rounded",
+        "check_dtype",
+        "aux_tolerances",
+    ),
 }
 _REQUIRED: dict[str, tuple[str, ...]] = {"gradref_xfail": ("reason",), "gradref_skip": ("reason",)}
 
@@ -121,6 +138,8 @@ class TestOverrides:
     budget: float | None = None
     rounded: bool = False
     check_dtype: bool = True
+    # assert_close's aux_tolerances for every assert_close of the test; its own win per item.
+    aux_tolerances: Mapping[AuxKey, Tolerance] = field(default_factory=dict)
 
 
 def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
@@ -187,4 +206,33 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
         budget=budget,
         rounded=rounded,
         check_dtype=check_dtype,
+        aux_tolerances=_aux_tolerances(kwargs.get("aux_tolerances")),
     )
+
+
+def _aux_tolerances(value: object) -> Mapping[AuxKey, Tolerance]:
+    """The marker's aux_tolerances, checked as far as they can be before the aux exists: a
+    mapping of top-level keys or indices, or item labels, to Tolerance."""
+    from pytest_gradref.compare import Tolerance
+
+    if value is None:
+        return {}
+    example = "aux_tolerances={'logps': pytest_gradref.Tolerance(rtol=1e-2, atol=1e-5)}"
+    if not isinstance(value, Mapping):
+        raise MarkerError(
+            f"@pytest.mark.gradref got aux_tolerances={value!r}; it must be a mapping of an "
+            f"aux's top-level key or index, or an item's label, to a Tolerance, e.g. {example}"
+        )
+    for key, tolerance in value.items():
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise MarkerError(
+                f"@pytest.mark.gradref got aux_tolerances with key {key!r}; a key is a "
+                "top-level key (str) or index (int) of the aux, or an item's label such as "
+                f"\"aux['logps'][0]\", e.g. {example}"
+            )
+        if not isinstance(tolerance, Tolerance):
+            raise MarkerError(
+                f"@pytest.mark.gradref got aux_tolerances[{key!r}]={tolerance!r}; it must be a "
+                f"pytest_gradref.Tolerance(rtol=..., atol=...), e.g. {example}"
+            )
+    return dict(value)

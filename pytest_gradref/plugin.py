@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
     from pytest_gradref.backends import Backend, BackendRegistry
     from pytest_gradref.fixture import GradReference
+    from pytest_gradref.ranks import RankContext
 
-FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend")
+FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend", "gradref_rank")
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -47,6 +48,55 @@ def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
         registry.register_default(backend)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # The simulated device is in place before a conftest, or a module it imports, probes for it
+    # (transformers caches is_torch_npu_available() on its first call). So far the command
+    # line is parsed into known_args_namespace only.
+    from pytest_gradref.settings import (
+        SIMULATE_NUMERICS_OPTION,
+        SIMULATE_OPTION,
+        OptionSpec,
+        Setting,
+        parse_simulate,
+        parse_simulate_numerics,
+        read_setting,
+    )
+
+    def early(spec: OptionSpec) -> Setting:
+        cli = getattr(early_config.known_args_namespace, spec.dest, None)
+        if cli is not None:
+            return Setting(str(cli), f"the {spec.flag} option")
+        return read_setting(early_config, spec)
+
+    simulate = parse_simulate(early(SIMULATE_OPTION))
+    numerics = parse_simulate_numerics(early(SIMULATE_NUMERICS_OPTION), simulate)
+    _install_simulation(early_config, simulate, numerics, after_conftests=False)
+
+
+def _install_simulation(
+    config: pytest.Config, simulate: str | None, numerics: str, *, after_conftests: bool
+) -> None:
+    """Install the simulated device once, with its numerics (cpu or ascend), and say in the
+    header what ran before it and may have probed for the device without seeing it."""
+    if simulate is None:
+        return
+    torch_imported = "torch" in sys.modules  # before the simulation imports it
+    from pytest_gradref import simulated
+
+    if simulated.installed():
+        return
+    cleared = simulated.install(numerics=numerics)
+    notes = simulated.install_notes(
+        cleared,
+        torch_imported=torch_imported,
+        plugins=config.pluginmanager.get_plugins(),
+        after_conftests=after_conftests,
+    )
+    if notes:
+        config.pluginmanager.register(simulated.InstallNotes(notes), "gradref-simulation-notes")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.backends import BackendRegistry
     from pytest_gradref.device_coverage import DeviceCoverage
@@ -55,9 +105,11 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_gradref.settings import (
         BASELINE_FAIL_OPTION,
         BASELINE_OPTION,
+        BASELINE_THRESHOLD_OPTION,
         DEVICE_OPTION,
         REPORT_OPTION,
         SEED_OPTION,
+        SIMULATE_NUMERICS_OPTION,
         SIMULATE_OPTION,
         STRATEGY_OPTION,
         STRICT_DEVICE_OPTION,
@@ -66,30 +118,34 @@ def pytest_configure(config: pytest.Config) -> None:
         parse_flag,
         parse_seed,
         parse_simulate,
+        parse_simulate_numerics,
         parse_strategy,
         parse_verdict,
         read_setting,
     )
     from pytest_gradref.state import GradrefState, is_xdist_worker, state_key
 
-    if config.getoption(BASELINE_FAIL_OPTION.dest) and not config.getoption(BASELINE_OPTION.dest):
-        # A gate without a baseline would pass on nothing.
-        raise pytest.UsageError(
-            f"{BASELINE_FAIL_OPTION.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
-            f"compare the run with; add {BASELINE_OPTION.flag}, or drop "
-            f"{BASELINE_FAIL_OPTION.flag}"
-        )
+    for gate_option in (BASELINE_FAIL_OPTION, BASELINE_THRESHOLD_OPTION):
+        given = config.getoption(gate_option.dest) not in (None, False)
+        if given and not config.getoption(BASELINE_OPTION.dest):
+            # A gate without a baseline would pass on nothing.
+            raise pytest.UsageError(
+                f"{gate_option.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
+                f"compare the run with; add {BASELINE_OPTION.flag}, or drop {gate_option.flag}"
+            )
     report_path = config.getoption(REPORT_OPTION.dest)
     if report_path and not is_xdist_worker(config):
         check_report_path(report_path)  # before any test runs, not after the whole suite
     simulate = parse_simulate(read_setting(config, SIMULATE_OPTION))
-    if simulate is not None:
-        # Before any backend is registered or probed, so the npu probe meets the simulation.
-        from pytest_gradref import simulated
-
-        simulated.install()
+    numerics = parse_simulate_numerics(read_setting(config, SIMULATE_NUMERICS_OPTION), simulate)
+    # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
+    # was loaded late, from a conftest: still before any backend is registered or probed.
+    _install_simulation(config, simulate, numerics, after_conftests=True)
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
+    from pytest_gradref.ranks import RankHooks
+
+    config.pluginmanager.register(RankHooks(config), "gradref-ranks")
     registry = BackendRegistry()
     try:
         config.hook.pytest_gradref_register_backends(registry=registry)
@@ -104,7 +160,8 @@ def pytest_configure(config: pytest.Config) -> None:
         # An xdist worker takes the device its controller chose instead.
         device_request = worker_device_request(config) or device_request
     strategy_setting = read_setting(config, STRATEGY_OPTION)
-    seed = parse_seed(read_setting(config, SEED_OPTION))
+    seed_setting = read_setting(config, SEED_OPTION)
+    seed = parse_seed(seed_setting)
     state = GradrefState(
         registry=registry,
         device_request=device_request,
@@ -113,6 +170,7 @@ def pytest_configure(config: pytest.Config) -> None:
         seed=seed,
         verdict=parse_verdict(read_setting(config, VERDICT_OPTION)),
         simulated=frozenset({simulate} if simulate else ()),
+        seed_source=seed_setting.source,
     )
     config.stash[state_key] = state
     coverage = DeviceCoverage(strict=parse_flag(read_setting(config, STRICT_DEVICE_OPTION)))
@@ -154,7 +212,12 @@ def _header_once(config: pytest.Config) -> list[str]:
     if state.resolved is None or state.reported:
         return []
     state.reported = True
-    return [state.resolved.header_line(state.seed, state.verdict)]
+    seed: int | str = (
+        state.seed
+        if state.seed is not None
+        else f"off (from {state.seed_source}: gradref leaves torch's seeding to the suite)"
+    )
+    return [state.resolved.header_line(seed, state.verdict)]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -199,14 +262,18 @@ def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # Seed before fixtures draw their tensors; only where torch is already loaded, so a run
-    # without gradient tests never imports it.
+    # without gradient tests never imports it, and not where seeding is off.
     if "torch" not in sys.modules:
         return
     from pytest_gradref.settings import seed_for_test
-    from pytest_gradref.state import gradref_state
+    from pytest_gradref.state import gradref_state, seed_key
 
     state = gradref_state(item.config)
-    seed = seed_for_test(state.seed, item.nodeid)
+    if seed_key in item.stash:  # a rerun (pytest-rerunfailures) is seeded afresh
+        del item.stash[seed_key]
+    if state.seed is None:
+        return
+    seed = item.stash[seed_key] = seed_for_test(state.seed, item.nodeid)
     if state.resolved is not None:
         state.resolved.backend.seed(seed)
     else:
@@ -231,7 +298,7 @@ def pytest_runtest_makereport(
 
         # A plain attribute travels with the report to the xdist controller.
         report.__dict__[RECORD_ATTRIBUTE] = record_for_test(
-            report.nodeid, state.resolved, state.seed, recording
+            report.nodeid, state.resolved, recording
         )
     return report
 
@@ -253,6 +320,15 @@ def gradref_device(pytestconfig: pytest.Config) -> torch.device:
 
 
 @pytest.fixture
+def gradref_rank(request: pytest.FixtureRequest) -> RankContext:
+    """In a test marked ``@pytest.mark.gradref_ranks(N)``, whose body runs in N processes:
+    this rank's number, the world size, its device and the process group."""
+    from pytest_gradref.ranks import rank_fixture
+
+    return rank_fixture(request.node)
+
+
+@pytest.fixture
 def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     """Computes reference values and gradients the way the active backend needs.
 
@@ -267,24 +343,29 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     from pytest_gradref.policy import CheckPolicy
     from pytest_gradref.recording import Recording
     from pytest_gradref.settings import BASELINE_OPTION, REPORT_OPTION
-    from pytest_gradref.state import gradref_state, recording_key
+    from pytest_gradref.state import gradref_state, recording_key, seed_key
 
     state = gradref_state(request.config)
     setup = state.setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
+    compared = (
+        request.config.getoption(REPORT_OPTION.dest) is not None
+        or request.config.getoption(BASELINE_OPTION.dest) is not None
+    )
     # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
-    recording = request.node.stash[recording_key] = Recording()
+    recording = request.node.stash[recording_key] = Recording(
+        # What gradref seeded, to tell whether the test reseeded torch after it.
+        seed=request.node.stash.get(seed_key, None),
+        device_type=setup.backend.device_type,
+        # Fingerprints only where a report or a baseline compares runs by them.
+        fingerprint=compared,
+    )
     strategy = overrides.strategy or setup.effective_strategy()
     if setup.effective_strategy() == "crosscheck" and strategy != "crosscheck":
         recording.crosscheck_opt_out = f"@pytest.mark.gradref(strategy={strategy!r})"
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
-    statistics = (
-        request.config.getoption(REPORT_OPTION.dest) is not None
-        or request.config.getoption(BASELINE_OPTION.dest) is not None
-        or request.config.get_verbosity() > 0
-        or strategy == "crosscheck"
-    )
+    statistics = compared or request.config.get_verbosity() > 0 or strategy == "crosscheck"
     # The default verdict judges against a float64 golden; a marker's tolerance, or
     # --gradref-verdict=tolerance, compares with a tolerance and computes none unasked.
     golden_verdict = state.verdict == "golden" and overrides.tolerance is None
@@ -297,6 +378,7 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         statistics=statistics,
         default_budget=DEFAULT_BUDGET if golden_verdict else None,
         check_dtype=overrides.check_dtype,
+        aux_tolerances=overrides.aux_tolerances,
     )
     return GradReference(
         strategy=strategy,

@@ -25,6 +25,8 @@ from pytest_gradref.recording import Recording
 if TYPE_CHECKING:
     import torch
 
+    from pytest_gradref.auxiliary import AuxKey
+
 
 @dataclass(frozen=True)
 class CheckPolicy:
@@ -43,6 +45,8 @@ class CheckPolicy:
     # Whether assert_close computes each item's statistics (for the report and the summary)
     # besides its verdict.
     statistics: bool = True
+    # The marker's aux_tolerances, below assert_close's own (see Reference.assert_close).
+    aux_tolerances: Mapping[AuxKey, Tolerance] = field(default_factory=dict)
 
     def tolerance(
         self, dtype: torch.dtype, extra: tuple[ToleranceOverride, ...] = (), why_dtype: str = ""

@@ -56,8 +56,9 @@ class Reference:
         crosscheck: under the crosscheck strategy, the disagreement per item between
             autograd and grad_and_value; else None.
         golden: the same computed in a higher precision, when ``golden=`` was asked for.
-        compute: the least precise floating dtype among the inputs, which every item's
-            tolerance follows (None where no input is floating).
+        compute: the least precise floating dtype among the inputs, differentiated or not
+            (a module's parameters included), which every item's tolerance follows (None where
+            no input is floating).
         rounded: the same with every floating-point result rounded to the compute dtype,
             when ``rounded=True`` was asked for; a budget then counts from the larger of its
             error and the reference's.
@@ -108,10 +109,17 @@ class Reference:
         ``aux`` (the kernel's auxiliary output) is compared leaf by leaf with the same rules;
         an entry of ``aux_tolerances``, keyed by a top-level key or index of the aux or by an
         item's label (``"aux['logps'][0]"``), gives those items a tolerance of their own,
-        which wins over the marker, the arguments here and a budget. A reference with an aux
+        which wins over rtol/atol (here or on the marker) and a budget. The marker's
+        ``aux_tolerances`` apply to every assert_close of the test that compares an aux;
+        an entry here wins over the marker's for the same item. A reference with an aux
         needs ``aux=``: the kernel's aux, or ``pytest_gradref.UNCHECKED`` to leave it
         uncompared on purpose (recorded in the report). Every item is checked before failing,
         and the message names each one that differs.
+
+        Each setting here (``rtol``, ``atol``, ``budget``, ``check_dtype``,
+        ``aux_tolerances``) can also be given for the whole test on
+        ``@pytest.mark.gradref(...)`` (a budget there beside ``golden=``); the arguments
+        here win over the marker's.
 
         Raises:
             AssertionError: an item differs beyond its tolerance or budget.
@@ -272,13 +280,20 @@ class Reference:
             self.rounded.aux if self.rounded else None,
         )
         known = {leaf.key for leaf in leaves} | {leaf.label for leaf in leaves}
-        for name, tolerance in tolerances.items():
+        marker = self.policy.aux_tolerances
+        for name in (*tolerances, *marker):
             if name not in known:
+                where = (
+                    "assert_close(): aux_tolerances"
+                    if name in tolerances
+                    else "the test's @pytest.mark.gradref(aux_tolerances=...)"
+                )
                 raise ValueError(
-                    f"assert_close(): aux_tolerances names {name!r}, which is not in the aux; "
+                    f"{where} names {name!r}, which is not in the aux; "
                     "use a top-level key or index, or an item's label: "
                     + ", ".join(leaf.label for leaf in leaves)
                 )
+        for name, tolerance in tolerances.items():
             if not isinstance(tolerance, Tolerance):
                 raise TypeError(
                     f"assert_close(): aux_tolerances[{name!r}] must be a "
@@ -303,12 +318,10 @@ class Reference:
             if is_inexact(expected.dtype):
                 golden = leaf_tensor(leaf.golden, None)
                 rounded = leaf_tensor(leaf.rounded, None)
-            key: AuxKey | None = leaf.label if leaf.label in tolerances else leaf.key
-            own = tolerances.get(key) if key is not None else None
             item_extra, item_budget = extra, budget
+            own = _aux_tolerance(leaf.label, leaf.key, tolerances, marker)
             if own is not None:
-                source = f"assert_close(aux_tolerances={{{key!r}: ...}})"
-                item_extra = (ToleranceOverride(own.rtol, own.atol, source), *extra)
+                item_extra = (ToleranceOverride(own[0].rtol, own[0].atol, own[1]), *extra)
                 item_budget = None
             missing = "the actual aux holds None here"
             item_actual = leaf.actual if actual is None else actual
@@ -392,6 +405,24 @@ class Reference:
                     (label, param_grads[name], expected, golden_grad, rounded_grad, _no_grad(name))
                 )
         return items
+
+
+def _aux_tolerance(
+    label: str,
+    key: AuxKey | None,
+    given: Mapping[AuxKey, Tolerance],
+    marker: Mapping[AuxKey, Tolerance],
+) -> tuple[Tolerance, str] | None:
+    """An aux item's own tolerance and where it came from: assert_close's aux_tolerances
+    before the marker's, each by the item's label before its top-level key or index."""
+    for table, where in (
+        (given, "assert_close(aux_tolerances={{{!r}: ...}})"),
+        (marker, "the test's @pytest.mark.gradref(aux_tolerances={{{!r}: ...}}) marker"),
+    ):
+        for name in (label, key):
+            if name is not None and name in table:
+                return table[name], where.format(name)
+    return None
 
 
 def _no_grad(name: str) -> str:

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gradref.settings import seed_for_test
-
 if TYPE_CHECKING:
     from pytest_gradref.compare import ItemCheck
     from pytest_gradref.device_coverage import DeviceCoverage
@@ -25,8 +23,9 @@ TIGHTEST_SHOWN = 10
 # The test report attribute that carries a test's record (to the xdist controller too).
 RECORD_ATTRIBUTE = "gradref"
 # The report's format version: raise it when a field changes meaning or disappears, so that
-# ``pytest-gradref diff`` refuses a report it would misread.
-FORMAT_VERSION = 2
+# ``pytest-gradref diff`` refuses a report it would misread. 3: each test's "inputs"
+# fingerprints decide comparability, and "seed" and "base_seed" are null where seeding is off.
+FORMAT_VERSION = 3
 
 
 def _finite(value: Any) -> Any:
@@ -54,10 +53,10 @@ def _item_fields(check: ItemCheck) -> dict[str, Any]:
     return _plain(check, drop=drop)
 
 
-def record_for_test(
-    nodeid: str, setup: Setup, base_seed: int, recording: Recording
-) -> dict[str, Any]:
+def record_for_test(nodeid: str, setup: Setup, recording: Recording) -> dict[str, Any]:
     """One test's record, made of plain values so it can travel between processes."""
+    from pytest_gradref.inputs import fingerprints
+
     return {
         "nodeid": nodeid,
         "device": str(setup.device),
@@ -67,7 +66,15 @@ def record_for_test(
         # The strategies whose results the test received; under crosscheck each entry of
         # "crosscheck" also names the strategy it was checked against.
         "strategies": sorted(set(recording.strategies)),
-        "seed": seed_for_test(base_seed, nodeid),
+        # The seed gradref gave torch (None where seeding is off), the seed torch's generators
+        # held when the references were computed, and whether the test reseeded them after
+        # gradref (an autouse fixture of the suite, say: then --gradref-seed changes nothing).
+        "seed": recording.seed,
+        "torch_seed": recording.torch_seed,
+        "reseeded": recording.reseeded,
+        # Per reference, a fingerprint of its inputs (None where it has none: a Hypothesis
+        # example, a tensor subclass): two reports compare where these agree.
+        "inputs": fingerprints(recording.inputs),
         "items": [_item_fields(check) for check in recording.checks],
         "crosscheck": [_plain(d) for d in recording.disagreements],
         # Why a crosscheck session did not crosscheck this test (None where it did, or
@@ -135,7 +142,7 @@ class ReportCollector:
     def __init__(
         self,
         path: str | None,
-        base_seed: int,
+        base_seed: int | None,
         coverage: DeviceCoverage,
         simulated: bool = False,
     ) -> None:
@@ -174,6 +181,9 @@ class ReportCollector:
 
         setup = gradref_state(config).resolved
         torch = sys.modules.get("torch")  # loaded whenever a test recorded something
+        # Run under --gradref-simulate, or any test on a simulated device: such a report
+        # proves the code path, not the hardware.
+        simulated = self.simulated or any(r.get("simulated", False) for r in self.records)
         return {
             "format_version": FORMAT_VERSION,
             "base_seed": self.base_seed,
@@ -192,9 +202,10 @@ class ReportCollector:
             "default_strategy": setup.backend.default_strategy if setup is not None else None,
             # Dtypes whose golden references the backend computes on the CPU.
             "golden_on_cpu": sorted(setup.backend.cpu_only_dtypes) if setup is not None else [],
-            # Run under --gradref-simulate, or any test on a simulated device: such a report
-            # proves the code path, not the hardware.
-            "simulated": self.simulated or any(r.get("simulated", False) for r in self.records),
+            "simulated": simulated,
+            # The simulated device's numerics ("cpu", or "ascend": ascend_numerics.py), None
+            # for a real device: two simulated runs of other numerics do not gate each other.
+            "simulated_numerics": _simulated_numerics() if simulated else None,
             # How many tests used the gradref device (a gradref fixture or marker), how many
             # ran without it, and which.
             "device_coverage": self.coverage.fields(),
@@ -212,8 +223,9 @@ class ReportCollector:
     def summary_lines(self, verbose: bool) -> list[str]:
         """Under crosscheck, which strategy the tests received and which it was checked
         against, the tests not crosschecked (wholly or in part) and every disagreement beyond
-        tolerance; with -v the aux items left unchecked; the tightest items (with -v, or
-        whenever there is such a disagreement, to show how much room the tests had)."""
+        tolerance; the tests that reseeded torch after gradref; with -v the aux items left
+        unchecked; the tightest items (with -v, or whenever there is such a disagreement, to
+        show how much room the tests had)."""
         lines = []
         checked = [(record["nodeid"], d) for record in self.records for d in record["crosscheck"]]
         pairs: dict[tuple[str, str], list[int]] = {}
@@ -254,6 +266,19 @@ class ReportCollector:
                     f"(relative {_short(d['max_rel'])}) between {d['received']} (received) and "
                     f"{d['checked_against']} (checked against); tolerance {d['tolerance']}"
                 )
+        reseeded = sorted(
+            (record for record in self.records if record.get("reseeded")),
+            key=lambda record: str(record["nodeid"]),  # the example whatever the order run
+        )
+        if reseeded:
+            # Said whatever the verbosity: --gradref-seed changes nothing in these tests.
+            lines.append(
+                f"seed: {len(reseeded)} {'test' if len(reseeded) == 1 else 'tests'} reseeded "
+                f"torch after gradref seeded {'it' if len(reseeded) == 1 else 'them'} (e.g. "
+                f"{reseeded[0]['nodeid']}: torch seed {reseeded[0]['torch_seed']}), so "
+                "--gradref-seed does not change their numbers; a suite that seeds its own "
+                "tests turns gradref's seeding off with gradref_seed = off in its ini file"
+            )
         unchecked = [record for record in self.records if record.get("aux_unchecked")]
         if verbose and unchecked:
             lines.append(
@@ -282,3 +307,10 @@ class ReportCollector:
                     f"in {nodeid}  [{item['criterion']}]"
                 )
         return lines
+
+
+def _simulated_numerics() -> str:
+    """The numerics of this process's simulated npu (torch is loaded: a test ran on it)."""
+    from pytest_gradref import simulated
+
+    return simulated.numerics()

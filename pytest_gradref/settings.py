@@ -9,6 +9,7 @@ is done only once a test needs it, so loading the plugin stays cheap.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,8 +75,11 @@ DEVICE_OPTION = OptionSpec(
 )
 SEED_HELP = (
     "base seed: every test seeds torch from it and its node id, so it draws the same numbers "
-    "alone, in any order and on any xdist worker. Default: 0."
+    "alone, in any order and on any xdist worker; off: gradref seeds nothing, for a suite that "
+    "seeds its own tests. Default: 0."
 )
+# The seed setting that turns the plugin's per-test seeding off.
+SEED_OFF = "off"
 SEED_OPTION = OptionSpec(
     "--gradref-seed", "gradref_seed", SEED_HELP, "GRADREF_SEED", "gradref_seed"
 )
@@ -102,7 +106,9 @@ BASELINE_FAIL_HELP = (
 )
 BASELINE_THRESHOLD_HELP = (
     "with --gradref-baseline: how many times an item's error may grow before it is a "
-    "regression (default 2; errors under a tenth of their allowance count as noise)"
+    "regression (default 2; errors within 4 rounding steps of their dtype at their scale count "
+    "as noise, and a half-precision item's normwise error also counts once it drifts past 6 "
+    "sigmas of its rounding noise)"
 )
 VERDICT_OPTION = OptionSpec(
     "--gradref-verdict", "gradref_verdict", VERDICT_HELP, "GRADREF_VERDICT", "gradref_verdict"
@@ -145,6 +151,22 @@ SIMULATE_OPTION = OptionSpec(
 # where that is not installed, an unavailable device's error names the simulation.
 SIMULATED_PACKAGES = {"npu": "torch_npu"}
 SIMULATABLE = tuple(SIMULATED_PACKAGES)
+# The simulated npu's numerics (pytest_gradref/ascend_numerics.py holds the model and its
+# sources): torch's CPU kernels as they are, or with Ascend's documented HF32 on top.
+SIMULATE_NUMERICS = ("cpu", "ascend")
+SIMULATE_NUMERICS_HELP = (
+    "with --gradref-simulate=npu: cpu (every operator is torch's CPU kernel) or ascend (also "
+    "model what Huawei documents of Ascend numerics: float32 matmul-class operators round "
+    "their operands to HF32 while torch.npu.matmul.allow_hf32 is True, default False, and "
+    "convolutions while torch.npu.conv.allow_hf32 is True, default True). Default: cpu."
+)
+SIMULATE_NUMERICS_OPTION = OptionSpec(
+    "--gradref-simulate-numerics",
+    "gradref_simulate_numerics",
+    SIMULATE_NUMERICS_HELP,
+    "GRADREF_SIMULATE_NUMERICS",
+    "gradref_simulate_numerics",
+)
 # The session's exit status when --gradref-strict-device finds tests that ran without the
 # gradref device (BASELINE_REGRESSION_EXIT is 6).
 STRICT_DEVICE_EXIT = 7
@@ -163,6 +185,23 @@ STRICT_DEVICE_OPTION = OptionSpec(
     action="store_true",
 )
 
+# How long a multi-rank test's ranks may run before they count as hung, when the test's
+# gradref_ranks marker gives no timeout=.
+DEFAULT_RANK_TIMEOUT = 300.0
+RANK_TIMEOUT_HELP = (
+    "seconds a rank of a multi-rank test (@pytest.mark.gradref_ranks) may run before it "
+    "counts as hung: it is then ended, and the test fails with every hung rank's Python "
+    "stack; the marker's timeout= wins for its test. Default: 300."
+)
+RANK_TIMEOUT_OPTION = OptionSpec(
+    "--gradref-rank-timeout",
+    "gradref_rank_timeout",
+    RANK_TIMEOUT_HELP,
+    "GRADREF_RANK_TIMEOUT",
+    "gradref_rank_timeout",
+)
+
+
 # Every option of the gradref group, in the order --help lists them.
 OPTIONS = (
     DEVICE_OPTION,
@@ -170,7 +209,9 @@ OPTIONS = (
     VERDICT_OPTION,
     SEED_OPTION,
     SIMULATE_OPTION,
+    SIMULATE_NUMERICS_OPTION,
     STRICT_DEVICE_OPTION,
+    RANK_TIMEOUT_OPTION,
     REPORT_OPTION,
     BASELINE_OPTION,
     BASELINE_FAIL_OPTION,
@@ -201,9 +242,12 @@ def read_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
     return Setting("auto", "the default")
 
 
-def parse_seed(setting: Setting) -> int:
+def parse_seed(setting: Setting) -> int | None:
+    """The base seed, or None for off (the suite seeds its tests, or leaves them unseeded)."""
     if setting.value == "auto":
         return 0
+    if setting.value.lower() == SEED_OFF:
+        return None
     try:
         seed = int(setting.value)
     except ValueError:
@@ -211,7 +255,7 @@ def parse_seed(setting: Setting) -> int:
     if seed < 0:
         raise pytest.UsageError(
             f"Invalid gradref seed {setting.value!r} from {setting.source}; it must be a "
-            "non-negative integer"
+            f"non-negative integer, or {SEED_OFF} to leave seeding to the suite"
         )
     return seed
 
@@ -239,6 +283,25 @@ def parse_simulate(setting: Setting) -> str | None:
     )
 
 
+def parse_simulate_numerics(setting: Setting, simulate: str | None) -> str:
+    """The simulated device's numerics: cpu (the default) or ascend, which needs the
+    simulated npu."""
+    value = "cpu" if setting.source == "the default" else setting.value
+    if value not in SIMULATE_NUMERICS:
+        raise pytest.UsageError(
+            f"Invalid gradref simulate numerics {setting.value!r} from {setting.source}; "
+            f"valid values are {', '.join(SIMULATE_NUMERICS)}"
+        )
+    if value == "ascend" and simulate != "npu":
+        # Ascend numerics without the simulated npu would change nothing: a silent no-op.
+        raise pytest.UsageError(
+            f"gradref simulate numerics {value!r} from {setting.source} models the simulated "
+            f"npu's operators: add {SIMULATE_OPTION.flag}=npu, or drop "
+            f"{SIMULATE_NUMERICS_OPTION.flag} (and unset {SIMULATE_NUMERICS_OPTION.env})"
+        )
+    return value
+
+
 FLAG_VALUES = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
@@ -253,6 +316,22 @@ def parse_flag(setting: Setting) -> bool:
             f"{', '.join(FLAG_VALUES)}"
         )
     return value
+
+
+def parse_rank_timeout(setting: Setting) -> float:
+    """The rank timeout in seconds: a positive number."""
+    if setting.source == "the default":
+        return DEFAULT_RANK_TIMEOUT
+    try:
+        seconds = float(setting.value)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        raise pytest.UsageError(
+            f"Invalid gradref rank timeout {setting.value!r} from {setting.source}; it must "
+            f"be a positive number of seconds, e.g. {DEFAULT_RANK_TIMEOUT:g}"
+        )
+    return seconds
 
 
 def seed_for_test(base: int, nodeid: str) -> int:
@@ -337,9 +416,9 @@ class Setup:
             return "simulated on CPU"
         return self.backend.describe_device(self.device)
 
-    def header_line(self, seed: int, verdict: str = "golden") -> str:
-        """The header: device, strategy and seed, and the verdict where it is not the
-        default (``--gradref-verdict=tolerance``)."""
+    def header_line(self, seed: int | str, verdict: str = "golden") -> str:
+        """The header: device, strategy and seed (the base seed, or why there is none), and
+        the verdict where it is not the default (``--gradref-verdict=tolerance``)."""
         description = self.description()
         strategy = self.effective_strategy()
         if self.strategy is None:
@@ -353,6 +432,9 @@ class Setup:
         if verdict != "golden":
             line += f" verdict={verdict}"
         if self.simulated:
+            from pytest_gradref.simulated import numerics_note
+
+            line += f" | {numerics_note()}"
             # Said where a compiled kernel's results are read: on this device they are not the
             # compiled path's (simulated.py, _not_traced).
             line += (

@@ -26,11 +26,14 @@ class GradrefState:
     device_request: DeviceRequest
     strategy: StrategyChoice | None
     strategy_source: str
-    seed: int
+    # The base seed; None where seeding is off (--gradref-seed=off): the suite seeds its tests.
+    seed: int | None
     # golden or tolerance (--gradref-verdict): how a test without a tolerance is judged.
     verdict: str = "golden"
     # Device types this process simulates (--gradref-simulate), installed before any probe.
     simulated: frozenset[str] = frozenset()
+    # Where the seed setting came from, for the header.
+    seed_source: str = "the default"
     resolved: Setup | None = None
     reported: bool = False
 
@@ -52,6 +55,8 @@ class GradrefState:
 state_key = pytest.StashKey[GradrefState]()
 # What one test's references checked, on the test item.
 recording_key: pytest.StashKey[Recording] = pytest.StashKey()
+# The seed gradref gave torch for the test, on the test item (absent where it gave none).
+seed_key: pytest.StashKey[int] = pytest.StashKey()
 
 
 def gradref_state(config: pytest.Config) -> GradrefState:

@@ -493,3 +493,115 @@ def test_other_libraries_live_with_the_simulation(pytester: pytest.Pytester) -> 
         ]
     )
     result.stdout.no_fnmatch_line("*recompile_limit*")
+
+
+# Test utilities that a conftest imports and that probe for the device at import time, as a
+# kernel library's do (transformers caches is_torch_npu_available() on its first call).
+PROBE_AT_IMPORT = """
+import importlib.util
+
+import torch
+from transformers.utils import is_torch_npu_available
+
+if importlib.util.find_spec("torch_npu") is not None:
+    import torch_npu  # noqa: F401
+
+SEEN = {"torch.npu": hasattr(torch, "npu") and torch.npu.is_available(),
+        "transformers": is_torch_npu_available()}
+"""
+
+
+@needs_simulation
+@pytest.mark.parametrize(
+    ("source", "xdist", "expected"),
+    [("option", False, True), ("env", False, True), ("env", True, True), ("none", False, False)],
+)
+def test_conftest_imports_see_the_simulated_npu(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    source: str,
+    xdist: bool,
+    expected: bool,
+) -> None:
+    pytester.makepyfile(
+        probe_utils=PROBE_AT_IMPORT,
+        conftest="import probe_utils\n\nSEEN_BY_CONFTEST = dict(probe_utils.SEEN)\n",
+        test_probe=f"""
+import pytest
+from transformers.utils import is_torch_npu_available
+
+from conftest import SEEN_BY_CONFTEST
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_the_conftest_saw_the_device(i):
+    assert SEEN_BY_CONFTEST == {{"torch.npu": {expected}, "transformers": {expected}}}
+    assert is_torch_npu_available() is {expected}
+""",
+    )
+    args = ["-p", "no:randomly", *(("-n", "2") if xdist else ())]
+    monkeypatch.delenv("GRADREF_SIMULATE", raising=False)
+    if source == "option":
+        args.append("--gradref-simulate=npu")
+    else:  # the environment variable, which --gradref-simulate=none overrides
+        monkeypatch.setenv("GRADREF_SIMULATE", "npu")
+        args += ["--gradref-simulate=none"] if source == "none" else []
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*installed after*")
+
+
+# A plugin loaded before gradref's hooks run, which imports torch and probes at import time.
+EARLY_PLUGIN = """
+import torch
+from transformers.utils import is_torch_npu_available
+
+FIRST_ANSWER = is_torch_npu_available()
+"""
+
+
+@needs_simulation
+def test_a_probe_before_the_install_is_named_at_the_start(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        early_plugin=EARLY_PLUGIN,
+        test_probe="""
+import early_plugin
+from transformers.utils import is_torch_npu_available
+
+
+def test_the_cached_probe_was_cleared():
+    assert early_plugin.FIRST_ANSWER is False and is_torch_npu_available() is True
+""",
+    )
+    result = pytester.runpytest_subprocess("-p", "early_plugin", "-p", "no:randomly", *SIM)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: torch was imported (by early_plugin) before the simulated npu was "
+            "installed: an npu probe that ran then (import torch_npu, torch.npu.is_available()) "
+            "saw none; --gradref-strict-device fails a run whose tests never used the npu",
+            "gradref: transformers.utils.import_utils.is_torch_npu_available() had run before "
+            "the simulated npu was installed and was cleared: later calls see it, values "
+            "computed from the first call do not",
+            "collected 1 item",
+            "test_probe.py .*",
+        ]
+    )
+
+
+@needs_simulation
+def test_a_plugin_loaded_by_a_conftest_says_it_came_late(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        conftest='pytest_plugins = ["pytest_gradref.plugin"]\n',
+        test_late="import torch\n\n\ndef test_npu():\n    assert torch.npu.is_available()\n",
+    )
+    result = pytester.runpytest_subprocess("-p", "no:gradref", "-p", "no:randomly", *SIM)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gradref: the simulated npu was installed after the initial conftests had been "
+            "imported (the gradref plugin was loaded late, from a conftest's pytest_plugins?): "
+            "an npu probe they ran saw none",
+            "collected 1 item",
+        ]
+    )

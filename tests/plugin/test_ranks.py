@@ -1,0 +1,359 @@
+"""Multi-rank tests (``@pytest.mark.gradref_ranks``): where each rank runs, and that a failing,
+hung or crashed rank fails its test by name while the session goes on, also under -n 2.
+
+The runs spawn rank processes (a torch import each), so each generated run holds several
+scenarios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pytest_gradref.backends import builtin_backend
+from pytest_gradref.markers import MarkerError
+from pytest_gradref.ranks import owned_devices, parse_ranks_mark, rank_devices
+from pytest_gradref.settings import Setting, Setup, parse_rank_timeout
+
+# --- where ranks run ----------------------------------------------------------------------------
+
+
+def _setup(name: str, device: str, simulated: bool = False) -> Setup:
+    return Setup(
+        backend=builtin_backend(name),
+        device=torch.device(device),
+        index=None,
+        device_source="test",
+        strategy=None,
+        strategy_source="test",
+        unavailable=(),
+        simulated=simulated,
+    )
+
+
+def test_without_xdist_a_process_owns_every_visible_device() -> None:
+    assert owned_devices(4, None, None) == ([0, 1, 2, 3], "this process")
+
+
+def test_a_pinned_index_owns_that_device_alone() -> None:
+    assert owned_devices(4, 2, (0, 2)) == ([2], "the device pinned by its index (2)")
+
+
+def test_xdist_workers_split_the_devices_around_their_own() -> None:
+    # Worker k's own device (xdist.assign_devices) is k: it owns every index k modulo W.
+    assert owned_devices(4, None, (0, 2))[0] == [0, 2]
+    assert owned_devices(4, None, (1, 2))[0] == [1, 3]
+    assert owned_devices(2, None, (1, 4))[0] == [1]  # fewer devices than workers: shared
+    assert owned_devices(2, None, (3, 4))[0] == [1]
+
+
+def test_each_rank_takes_a_device_of_its_own() -> None:
+    assert rank_devices(_setup("cuda", "cuda:0"), 2, [1, 3], "w") == ("cuda:1", "cuda:3")
+
+
+def test_too_few_devices_is_a_skip_that_names_the_counts() -> None:
+    reason = rank_devices(_setup("cuda", "cuda:1"), 4, [1, 3], "xdist worker gw1 (of 2)")
+    assert reason == (
+        "gradref_ranks(4) needs 4 cuda devices, one per rank; xdist worker gw1 (of 2) has 2 "
+        "(cuda:1, cuda:3); run fewer xdist workers"
+    )
+    alone = rank_devices(_setup("cuda", "cuda:0"), 2, [0], "this process")
+    assert alone == (
+        "gradref_ranks(2) needs 2 cuda devices, one per rank; this process has 1 (cuda:0); "
+        "make more visible (CUDA_VISIBLE_DEVICES)"
+    )
+
+
+def test_cpu_and_simulated_ranks_share_the_devices() -> None:
+    assert rank_devices(_setup("cpu", "cpu"), 4, [0], "this process") == ("cpu",) * 4
+    # The npu device type exists only once the simulation is installed: the cuda policy
+    # stands in for a simulated device here.
+    simulated = rank_devices(_setup("cuda", "cuda:0", simulated=True), 4, [0, 1], "w")
+    assert simulated == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")
+
+
+# --- the marker and the timeout setting ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mark", "message"),
+    [
+        (pytest.mark.gradref_ranks(), "takes the number of ranks, got 0 positional arguments"),
+        (pytest.mark.gradref_ranks(0), "got world_size=0; it must be an integer >= 1"),
+        (pytest.mark.gradref_ranks(True), "got world_size=True"),
+        (pytest.mark.gradref_ranks(2, timeout=0), "got timeout=0; it must be a number > 0"),
+        (pytest.mark.gradref_ranks(2, ranks=2), "unknown keyword(s) ranks; valid keywords"),
+    ],
+)
+def test_a_bad_marker_says_what_is_valid(mark: pytest.MarkDecorator, message: str) -> None:
+    with pytest.raises(MarkerError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_ranks_mark(mark.mark)
+
+
+def test_a_bad_marker_stops_the_run_naming_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.gradref_ranks('two')\ndef test_x(gradref_rank):\n    pass\n"
+    )
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: *test_x: @pytest.mark.gradref_ranks got world_size='two'; it must be *"]
+    )
+
+
+@pytest.mark.parametrize("source", ["cli", "env", "ini"])
+def test_a_bad_rank_timeout_names_its_source(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    args: list[str] = []
+    if source == "cli":
+        args, where = ["--gradref-rank-timeout=-1"], "the --gradref-rank-timeout option"
+    elif source == "env":
+        monkeypatch.setenv("GRADREF_RANK_TIMEOUT", "-1")
+        where = "the GRADREF_RANK_TIMEOUT environment variable"
+    else:
+        pytester.makeini("[pytest]\ngradref_rank_timeout = -1\n")
+        where = "the gradref_rank_timeout ini key in tox.ini"
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            f"ERROR: Invalid gradref rank timeout '-1' from {where}; it must be a positive "
+            "number of seconds, e.g. 300"
+        ]
+    )
+
+
+def test_the_rank_timeout_defaults_to_300_seconds() -> None:
+    assert parse_rank_timeout(Setting("auto", "the default")) == 300
+    assert (
+        parse_rank_timeout(Setting("2.5", "the GRADREF_RANK_TIMEOUT environment variable")) == 2.5
+    )
+
+
+def test_gradref_rank_needs_the_marker(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_x(gradref_rank):\n    pass\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_x: gradref_rank needs the test marked @pytest.mark.gradref_ranks(N)*"]
+    )
+
+
+# --- failures are the test's, by rank -----------------------------------------------------------
+
+RANK_FAILURES = """
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def pid(name, gradref_rank):
+    with open(os.path.join(os.environ["RANKS_OUT"], f"{name}-{gradref_rank.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+@pytest.mark.gradref_ranks(2)
+def test_all_reduce(gradref_rank, gradref_device):
+    assert dist.get_rank() == gradref_rank.rank
+    assert dist.get_world_size() == gradref_rank.world_size == 2
+    assert gradref_device == gradref_rank.device
+    total = torch.tensor([gradref_rank.rank + 1.0], device=gradref_device)
+    dist.all_reduce(total)
+    assert total.item() == 3.0
+    pid("first", gradref_rank)
+
+
+@pytest.mark.gradref_ranks(2)
+def test_only_rank_1_fails(gradref_rank):
+    seen = gradref_rank.rank
+    assert seen == 0, "a rank-dependent bug"
+
+
+@pytest.mark.gradref_ranks(2)
+def test_hangs(gradref_rank):
+    t = torch.ones(1)
+    if gradref_rank.rank == 0:
+        dist.all_reduce(t)  # waits for rank 1
+    else:
+        dist.recv(t, src=0)  # waits for a send that never comes
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV], ids=["kill", "segv"])
+@pytest.mark.gradref_ranks(2)
+def test_crashes(gradref_rank, signum):
+    if gradref_rank.rank == 1:
+        os.kill(os.getpid(), signum)
+    dist.barrier()
+
+
+@pytest.fixture
+def not_picklable():
+    return lambda: None
+
+
+@pytest.mark.gradref_ranks(2)
+def test_takes_a_fixture_that_cannot_travel(gradref_rank, not_picklable):
+    pass
+
+
+@pytest.mark.gradref_ranks(2, timeout=3)
+def test_leaves_a_collective_unmatched(gradref_rank):
+    if gradref_rank.rank == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never waited for, never matched
+
+
+@pytest.mark.gradref_ranks(2)
+def test_skips_in_the_ranks(gradref_rank):
+    pytest.skip("not here")
+
+
+@pytest.mark.gradref_ranks(2)
+def test_after_the_failures(gradref_rank):
+    dist.barrier()
+    pid("after", gradref_rank)
+
+
+@pytest.mark.gradref_ranks(2)
+def test_on_the_same_ranks(gradref_rank):
+    pid("again", gradref_rank)
+"""
+
+
+def test_failing_hung_and_crashed_ranks_fail_their_tests(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_dir = pytester.mkdir("out")
+    monkeypatch.setenv("RANKS_OUT", str(out_dir))
+    written = pytester.makepyfile(test_failures=RANK_FAILURES).read_text().splitlines()
+
+    def line(code: str) -> int:
+        return next(number for number, text in enumerate(written, 1) if code in text)
+
+    # The timeout comes from the setting: short, for the hung test.
+    result = pytester.runpytest_subprocess(
+        "-p", "no:randomly", "-rs", "--gradref-rank-timeout=3", "--gradref-device=cpu"
+    )
+    result.assert_outcomes(passed=3, failed=6, skipped=1)
+    pids = {
+        n: {(out_dir / f"{n}-{r}").read_text() for r in (0, 1)} for n in ("first", "after", "again")
+    }
+    assert all(len(ranks) == 2 for ranks in pids.values())
+    # The session went on, on new ranks (ranks do not outlive a failure); passing tests share
+    # their ranks.
+    assert not pids["first"] & pids["after"]
+    assert pids["after"] == pids["again"]
+    out = result.stdout
+    # A failing rank: its rank, then its traceback, ending at the test's line.
+    out.fnmatch_lines(
+        [
+            "*_ test_only_rank_1_fails _*",
+            "gradref_ranks(2) on cpu (gloo): rank 1 failed (AssertionError); rank 0 passed",
+            "*_ rank 1 of 2 on cpu: failed _*",
+            "*def test_only_rank_1_fails(gradref_rank):",
+            '>       assert seen == 0, "a rank-dependent bug"',
+            "E       AssertionError: a rank-dependent bug",
+            "E       assert 1 == 0",
+            f"test_failures.py:{line('assert seen')}: AssertionError",
+        ]
+    )
+    # A hang: both ranks ended after the timeout, each with its stack at the test's line.
+    out.fnmatch_lines(
+        [
+            "*_ test_hangs _*",
+            "gradref_ranks(2) on cpu (gloo): rank 0 hung: no outcome within the 3 s rank "
+            "timeout; rank 1 hung: no outcome within the 3 s rank timeout",
+            "*_ rank 0 of 2 on cpu: hung _*",
+            "Python stack of rank 0 when it was ended:",
+            "*in all_reduce",
+            f'  File "*test_failures.py", line {line("dist.all_reduce(t)")} in test_hangs',
+            "*_ rank 1 of 2 on cpu: hung _*",
+            "Python stack of rank 1 when it was ended:",
+            "*in recv",
+            f'  File "*test_failures.py", line {line("dist.recv(t")} in test_hangs',
+            "The rank timeout is 3 s, from the --gradref-rank-timeout option.*",
+        ]
+    )
+    # Crashes: the rank and the signal, and the stack where faulthandler could write one.
+    out.fnmatch_lines(
+        [
+            "*_ test_crashes[[]kill[]] _*",
+            "gradref_ranks(2) on cpu (gloo): rank 1 crashed: killed by signal SIGKILL (9)*",
+            "*_ rank 1 of 2 on cpu: crashed _*",
+            "(rank 1 left no Python stack: SIGKILL cannot be caught)",
+        ]
+    )
+    out.fnmatch_lines(
+        [
+            "*_ test_crashes[[]segv[]] _*",
+            "gradref_ranks(2) on cpu (gloo): rank 1 crashed: killed by signal SIGSEGV (11)*",
+            "Python stack of rank 1 when it crashed:",
+            "Fatal Python error: Segmentation fault",
+            f'  File "*test_failures.py", line {line("os.kill(")} in test_crashes',
+        ]
+    )
+    # Every rank passed, but one left a collective the other never met.
+    out.fnmatch_lines(
+        [
+            "*_ test_leaves_a_collective_unmatched _*",
+            "gradref_ranks(2) on cpu (gloo): rank ? passed, but did not meet the others at the "
+            "end-of-test barrier: a collective or send/recv that one rank left unmatched*",
+        ]
+    )
+    out.fnmatch_lines(["SKIPPED [[]1[]] test_failures.py:*: rank 0 of 2: not here"])
+    out.fnmatch_lines(
+        [
+            "*_ test_takes_a_fixture_that_cannot_travel _*",
+            "fixture 'not_picklable' gives a function, which cannot be sent to the rank "
+            "processes (*). A gradref_ranks test's body runs in spawned processes*",
+        ]
+    )
+
+
+# --- side by side under xdist -------------------------------------------------------------------
+
+SIDE_BY_SIDE = """
+import json
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.parametrize("i", [0, 1])
+@pytest.mark.gradref_ranks(2)
+def test_side_by_side(i, gradref_rank, worker_id):
+    out = os.environ["RANKS_OUT"]
+    open(os.path.join(out, f"started-{i}"), "w").close()
+    # Each test waits until the other one has started: only two tests running at once pass.
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, f"started-{1 - i}")):
+        assert time.monotonic() < deadline, "the other test never started"
+        time.sleep(0.05)
+    total = torch.tensor([float(gradref_rank.rank + 1)])
+    dist.all_reduce(total)
+    record = {"worker": worker_id, "pid": os.getpid(), "total": total.item()}
+    with open(os.path.join(out, f"{i}-{gradref_rank.rank}.json"), "w") as handle:
+        json.dump(record, handle)
+"""
+
+
+def test_two_multi_rank_tests_run_side_by_side_under_xdist(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = pytester.mkdir("out")
+    monkeypatch.setenv("RANKS_OUT", str(out))
+    pytester.makepyfile(test_side=SIDE_BY_SIDE)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "-n", "2", "--gradref-device=cpu")
+    result.assert_outcomes(passed=2)
+    records = [json.loads((out / f"{i}-{r}.json").read_text()) for i in (0, 1) for r in (0, 1)]
+    assert {record["total"] for record in records} == {3.0}
+    assert {records[0]["worker"], records[2]["worker"]} == {"gw0", "gw1"}
+    assert len({record["pid"] for record in records}) == 4  # four ranks, each a process
