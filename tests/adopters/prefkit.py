@@ -18,6 +18,7 @@ float64.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -459,3 +460,234 @@ class FusedLMHeadDPO(_LMHeadDPO):
             self.beta,
             self.ignore_index,
         )
+
+
+# --- preference without a reference model: ORPO and SimPO -----------------------------------
+#
+# Both judge a pair by the average log-probability of its sequences, as TRL and Liger do. The
+# references are written the way TRL's trainers are (the whole batch, log_softmax and gather,
+# cross_entropy's mean for the NLL); the kernels per chunk of pairs, from per-token
+# cross-entropy, every sum divided by the whole batch's counts, so the two share no loss code.
+
+ORPO_AUX_NAMES = (*AUX_NAMES, "log_odds_ratio", "log_odds_chosen")
+
+
+def _average_logps(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """TRL's ``get_batch_logps(average_log_prob=True)``: per sequence, the mean log-probability
+    of its target tokens (a sequence with none counts as having one, so it gives 0, not NaN)."""
+    mask = target != ignore_index
+    picked = logits.log_softmax(-1).gather(-1, torch.where(mask, target, 0).unsqueeze(-1))
+    return (picked.squeeze(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _reference_terms(
+    input: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+    """(chosen log-probabilities, rejected ones, the chosen NLL, the aux both losses report)
+    over (2B, T, H) hidden states, chosen first."""
+    pairs = input.shape[0] // 2
+    logits = _logits(input, weight, bias)
+    logps = _average_logps(logits, target, ignore_index)
+    chosen, rejected = logps[:pairs], logps[pairs:]
+    nll = F.cross_entropy(
+        logits[:pairs].flatten(0, 1), target[:pairs].flatten(), ignore_index=ignore_index
+    )
+    aux = {
+        "chosen_logps": chosen.detach(),
+        "rejected_logps": rejected.detach(),
+        "chosen_logits_mean": logits[:pairs].detach().mean(),
+        "rejected_logits_mean": logits[pairs:].detach().mean(),
+        "nll_loss": nll.detach(),
+    }
+    return chosen, rejected, nll, aux
+
+
+def _log_odds(chosen: Tensor, rejected: Tensor) -> Tensor:
+    """log(odds(chosen) / odds(rejected)), odds(p) = p / (1 - p), from log-probabilities."""
+    return (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+
+
+def _simpo_terms(
+    chosen: Tensor, rejected: Tensor, beta: float, gamma: float, label_smoothing: float
+) -> Tensor:
+    margin = beta * (chosen - rejected) - gamma
+    return -F.logsigmoid(margin) * (1 - label_smoothing) - F.logsigmoid(-margin) * label_smoothing
+
+
+def orpo_reference(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain PyTorch ORPO (TRL's odds-ratio loss plus the chosen NLL): (loss, aux)."""
+    chosen, rejected, nll, aux = _reference_terms(input, weight, target, bias, ignore_index)
+    log_odds = _log_odds(chosen, rejected)
+    ratio = F.logsigmoid(log_odds)
+    loss = -beta * ratio.mean()
+    if compute_nll_loss:
+        loss = loss + nll
+    aux |= {
+        "chosen_rewards": beta * chosen.detach(),
+        "rejected_rewards": beta * rejected.detach(),
+        "log_odds_ratio": ratio.detach().mean(),
+        "log_odds_chosen": log_odds.detach().mean(),
+    }
+    return loss, aux
+
+
+def simpo_reference(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    alpha: float = 1.0,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Plain PyTorch SimPO (length-normalised rewards, margin ``gamma``, optional label
+    smoothing; ``alpha`` times the chosen NLL where asked): (loss, aux)."""
+    chosen, rejected, nll, aux = _reference_terms(input, weight, target, bias, ignore_index)
+    loss = _simpo_terms(chosen, rejected, beta, gamma, label_smoothing).mean()
+    if compute_nll_loss:
+        loss = loss + alpha * nll
+    aux |= {"chosen_rewards": beta * chosen.detach(), "rejected_rewards": beta * rejected.detach()}
+    return loss, aux
+
+
+def _fused_linear_preference(
+    pair_loss: Callable[[Tensor, Tensor], tuple[Tensor, tuple[Tensor, ...]]],
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    beta: float,
+    ignore_index: int,
+    nll_weight: float,
+    chunk_size: int,
+    upcast: bool,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """The chunk loop shared by ORPO and SimPO: chunks of ``chunk_size`` pairs.
+    ``pair_loss(chosen, rejected)`` gives the pairs' summed loss terms and their extra aux
+    (sums); the loss adds ``nll_weight`` times the chosen NLL. The counts stay tensors: no
+    host read, so the loop compiles to one graph."""
+    pairs = input.shape[0] // 2
+    target2 = target.view(2, pairs, -1)
+    tokens = (target2[0] != ignore_index).sum().clamp(min=1)
+    elements = pairs * target.shape[1] * weight.shape[0]
+
+    def chunk(x: Tensor, w: Tensor, b: Tensor | None, t: Tensor, tokens: Tensor) -> Any:
+        logits = _kernel_logits(x, w, b, upcast)
+        mask = t != ignore_index
+        token_logps = -F.cross_entropy(
+            logits.flatten(0, -2), t.flatten(), ignore_index=ignore_index, reduction="none"
+        ).view(t.shape)
+        logps = token_logps.sum(-1) / mask.sum(-1).clamp(min=1)
+        terms, extra = pair_loss(logps[0], logps[1])
+        nll = -token_logps[0].sum() / tokens
+        loss = terms / pairs + nll_weight * nll
+        detached = logps.detach()
+        aux = (
+            detached[0],
+            detached[1],
+            logits[0].detach().sum() / elements,
+            logits[1].detach().sum() / elements,
+            nll.detach(),
+            beta * detached[0],
+            beta * detached[1],
+            *(e.detach() / pairs for e in extra),
+        )
+        return loss, aux
+
+    shape = (2, pairs, *input.shape[1:])
+    return _run(
+        chunk, 1, chunk_size, input.view(shape), weight, bias, (target2,), (tokens,), upcast
+    )
+
+
+def fused_linear_orpo(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = True,
+    chunk_size: int = 1,
+    upcast: bool = True,
+    compiled: bool | str = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The chunked ORPO kernel. ``compiled`` runs it under ``torch.compile``: True with its
+    default backend (Inductor), or a backend's name."""
+    if compiled:
+        return _compiled(fused_linear_orpo, compiled)(
+            input, weight, target, bias, beta, ignore_index, compute_nll_loss, chunk_size, upcast
+        )
+
+    def pair_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        log_odds = _log_odds(chosen, rejected)
+        ratio = F.logsigmoid(log_odds)
+        return -beta * ratio.sum(), (ratio.sum(), log_odds.sum())
+
+    nll_weight = 1.0 if compute_nll_loss else 0.0
+    loss, aux = _fused_linear_preference(
+        pair_loss, input, weight, target, bias, beta, ignore_index, nll_weight, chunk_size, upcast
+    )
+    return loss, dict(zip(ORPO_AUX_NAMES, aux))
+
+
+def fused_linear_simpo(
+    input: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    alpha: float = 1.0,
+    ignore_index: int = -100,
+    compute_nll_loss: bool = False,
+    chunk_size: int = 1,
+    upcast: bool = True,
+    compiled: bool | str = False,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The chunked SimPO kernel; ``compiled`` as for ``fused_linear_orpo``."""
+    if compiled:
+        return _compiled(fused_linear_simpo, compiled)(
+            input,
+            weight,
+            target,
+            bias,
+            beta,
+            gamma,
+            label_smoothing,
+            alpha,
+            ignore_index,
+            compute_nll_loss,
+            chunk_size,
+            upcast,
+        )
+
+    def pair_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        return _simpo_terms(chosen, rejected, beta, gamma, label_smoothing).sum(), ()
+
+    nll_weight = alpha if compute_nll_loss else 0.0
+    loss, aux = _fused_linear_preference(
+        pair_loss, input, weight, target, bias, beta, ignore_index, nll_weight, chunk_size, upcast
+    )
+    return loss, dict(zip(AUX_NAMES, aux))
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any], backend: bool | str) -> Callable[..., Any]:
+    """One compiled wrapper per kernel and backend, so its graphs are reused across calls.
+    The whole kernel is traced: the autograd.Function with the chunk loop and grad_and_value
+    inside it (``grad_and_value`` of a compiled chunk would run eagerly: Dynamo does not trace
+    a compiled frame that an eager functorch transform calls)."""
+    return torch.compile(fn) if backend is True else torch.compile(fn, backend=backend)
