@@ -27,6 +27,6 @@ step "upgrading pip"
 # downloads and shows its progress.
 step "installing $torch"
 "${pip[@]}" --progress-bar on "$torch"
-step "installing the project, editable, with its test, triton, bench and lint extras"
-"${pip[@]}" --quiet -e ".[test,triton,bench,lint]"
+step "installing the project, editable, with its test, triton, bench, lint and docs extras"
+"${pip[@]}" --quiet -e ".[test,triton,bench,lint,docs]"
 step "done: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'); activate with '. $venv/bin/activate'"
