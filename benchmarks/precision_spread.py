@@ -28,7 +28,7 @@ from pytest_gradref.diff import (
     DEFAULT_THRESHOLD,
     Diff,
     ItemDiff,
-    compare,
+    compare_reports,
     load_report,
 )
 
@@ -122,7 +122,7 @@ def main() -> None:
         # Compared even where the variant drew other inputs (ATen's scalar path draws other
         # normal numbers than its AVX2 and AVX512 paths): the gate would refuse such a run,
         # and the table says so in its inputs column.
-        diff = compare(baseline, load_report(path), allow_mismatch=True)
+        diff = compare_reports(baseline, load_report(path), allow_mismatch=True)
         inputs = "; ".join(m.split(":")[0] for m in diff.mismatches) or "as the baseline's"
         raw = describe_worst(diff, lambda item, diff=diff: raw_growth(diff, item))
         # Ties of the judged growth (all 1x, say) go to the greatest raw growth.

@@ -98,13 +98,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from pytest_gradref.diff import UnusableInput, compare, load_report
+    from pytest_gradref.diff import UnusableInput, compare_reports, load_report
     from pytest_gradref.diff_output import PlotUnavailable, check_plotting, plot, render
 
     try:
         if args.plot:
             check_plotting()  # before any work
-        result = compare(
+        result = compare_reports(
             load_report(args.base),
             load_report(args.new),
             threshold=args.threshold,

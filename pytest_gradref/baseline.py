@@ -22,7 +22,7 @@ from pytest_gradref.diff import (
     Diff,
     Report,
     UnusableInput,
-    compare,
+    compare_reports,
     load_report,
     parse_report,
 )
@@ -95,7 +95,7 @@ class BaselineGate:
             return
         run = {**self.collector.run_fields(session.config), "tests": self.collector.tests()}
         try:
-            self.diff = compare(
+            self.diff = compare_reports(
                 self.baseline, parse_report(run, "this run"), threshold=self.threshold
             )
         except UnusableInput as error:

@@ -35,9 +35,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# Kept equal to pytest_gradref.report.FORMAT_VERSION (a test checks it): importing report.py
-# would import pytest.
-FORMAT_VERSIONS = frozenset({1, 2, 3})
+# The format report.py writes: raise it when a field changes meaning or disappears, so that
+# a diff refuses a report it would misread (3: each test's "inputs" fingerprints decide
+# comparability, and "seed" and "base_seed" are null where seeding is off). With every format
+# this module reads; here rather than in report.py, which imports pytest, so that
+# `pytest-gradref diff` starts without it.
+FORMAT_VERSION = 3
+FORMAT_VERSIONS = frozenset(range(1, FORMAT_VERSION + 1))
 # The first format whose tests record a fingerprint of each reference's inputs ("inputs"),
 # which decides whether two reports compare (see mismatches).
 INPUTS_FORMAT = 3
@@ -525,7 +529,7 @@ def _verdict(item: ItemDiff, threshold: float) -> str:
     return ""
 
 
-def compare(
+def compare_reports(
     base: Report,
     new: Report,
     *,

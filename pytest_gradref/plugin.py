@@ -158,7 +158,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         xdist_hooks = XdistHooks
         # An xdist worker takes the device its controller chose instead.
-        device_request = worker_device_request(config) or device_request
+        device_request = worker_device_request(config, registry) or device_request
     strategy_setting = read_setting(config, STRATEGY_OPTION)
     seed_setting = read_setting(config, SEED_OPTION)
     seed = parse_seed(seed_setting)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gradref.diff import FORMAT_VERSION
+
 if TYPE_CHECKING:
     from pytest_gradref.compare import ItemCheck
     from pytest_gradref.device_coverage import DeviceCoverage
@@ -22,10 +24,6 @@ if TYPE_CHECKING:
 TIGHTEST_SHOWN = 10
 # The test report attribute that carries a test's record (to the xdist controller too).
 RECORD_ATTRIBUTE = "gradref"
-# The report's format version: raise it when a field changes meaning or disappears, so that
-# ``pytest-gradref diff`` refuses a report it would misread. 3: each test's "inputs"
-# fingerprints decide comparability, and "seed" and "base_seed" are null where seeding is off.
-FORMAT_VERSION = 3
 
 
 def _finite(value: Any) -> Any:

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gradref.settings import DeviceRequest, Setting, Setup
+from pytest_gradref.settings import DeviceRequest, Setting, Setup, parse_device
 
 if TYPE_CHECKING:
+    from pytest_gradref.backends import BackendRegistry
     from pytest_gradref.state import GradrefState
 
 WORKER_DEVICE_KEY = "gradref_device"
@@ -45,15 +46,14 @@ def physical_ids(visible_env: str | None) -> list[str] | None:
     return [part.strip() for part in os.environ[visible_env].split(",")]
 
 
-def worker_device_request(config: pytest.Config) -> DeviceRequest | None:
-    """On a worker, the device its controller assigned (None elsewhere)."""
+def worker_device_request(config: pytest.Config, registry: BackendRegistry) -> DeviceRequest | None:
+    """On a worker, the device its controller assigned (None elsewhere), parsed and validated
+    as the controller's own setting is."""
     workerinput: dict[str, Any] | None = getattr(config, "workerinput", None)
     if not workerinput or WORKER_DEVICE_KEY not in workerinput:
         return None
-    value = workerinput[WORKER_DEVICE_KEY]
-    name, _, index = value.partition(":")
     source = f"the xdist controller for worker {workerinput.get('workerid', '?')}"
-    return DeviceRequest(name, int(index) if index else None, Setting(value, source))
+    return parse_device(Setting(workerinput[WORKER_DEVICE_KEY], source), registry)
 
 
 class XdistHooks:

@@ -15,8 +15,8 @@ import pytest
 
 from pytest_gradref import diff as diff_module
 from pytest_gradref.__main__ import main
+from pytest_gradref.diff import FORMAT_VERSION
 from pytest_gradref.diff_output import render_markdown, render_text
-from pytest_gradref.report import FORMAT_VERSION
 
 # A kernel whose gradient is off by a relative error that the environment sets. float64's
 # default tolerance is rtol = atol = 1e-7: at 2.5e-8 and at 1e-7 the test passes, and its error,
@@ -109,7 +109,9 @@ def test_fourfold_growth_within_a_few_rounding_steps_is_noise(
     base = _run_suite(pytester, monkeypatch, "base.json", "2.2e-16")
     worse = _run_suite(pytester, monkeypatch, "worse.json", "8.9e-16")
     capsys.readouterr()
-    report = diff_module.compare(diff_module.load_report(base), diff_module.load_report(worse))
+    report = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(worse)
+    )
     grown = [item for item in report.items if item.label.startswith("gradient of argument 0")]
     assert len(grown) == 2
     step = diff_module.EPSILONS["float64"]
@@ -233,7 +235,9 @@ def test_repeated_labels_are_matched_in_order(tmp_path: Path) -> None:
     new = copy.deepcopy(BASE)
     new["tests"][1]["items"][1]["max_abs"] = 3e-6
     base, new_path = _pair(tmp_path, new)
-    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    result = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new_path)
+    )
     assert [(i.nodeid, i.label) for i in result.regressions] == [("t.py::test_b", "value #2")]
 
 
@@ -245,7 +249,9 @@ def test_items_with_a_rounded_error_compare_with_items_without(tmp_path: Path) -
     value.update(rounded_error=4e-7, criterion="budget 2x the bfloat16-rounded reference's ...")
     gradient.update(rounded_error=1e-6, max_abs=8e-6)
     base, new_path = _pair(tmp_path, new)
-    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    result = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new_path)
+    )
     assert [(i.label, i.ratio) for i in result.regressions] == [
         ("gradient of argument 0 (x)", pytest.approx(4))
     ]
@@ -256,14 +262,14 @@ def test_floor_keeps_exact_zeros_from_giving_infinite_ratios(tmp_path: Path) -> 
     new["tests"][1]["items"][0]["max_abs"] = 1e-13  # was exactly 0
     base, new_path = _pair(tmp_path, new)
     reports = diff_module.load_report(base), diff_module.load_report(new_path)
-    result = diff_module.compare(*reports)
+    result = diff_module.compare_reports(*reports)
     item = next(i for i in result.items if i.label == "value" and i.nodeid.endswith("test_b"))
     assert item.ratio == 1.0
     assert not result.regressions
     # The absolute floor alone (no noise steps) keeps it at 1x too ...
-    assert {i.ratio for i in diff_module.compare(*reports, noise=0).items} == {1.0}
+    assert {i.ratio for i in diff_module.compare_reports(*reports, noise=0).items} == {1.0}
     # ... and above the floor, zero to 1e-13 is a growth of 1e-13 / 1e-15 = 100x.
-    lower = diff_module.compare(*reports, floor=1e-15, noise=0)
+    lower = diff_module.compare_reports(*reports, floor=1e-15, noise=0)
     assert [i.label for i in lower.regressions] == ["value"]
     assert lower.regressions[0].ratio == pytest.approx(100)
 
@@ -273,7 +279,9 @@ def test_nan_error_and_a_newly_failing_item_are_regressions(tmp_path: Path) -> N
     new["tests"][0]["items"][0]["max_abs"] = "nan"
     new["tests"][0]["items"][1].update(headroom=-0.2, passed=False)  # same error, now fails
     base, new_path = _pair(tmp_path, new)
-    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    result = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new_path)
+    )
     assert {i.label: i.regression for i in result.regressions} == {
         "value": "error is now NaN",
         "gradient of argument 0 (x)": "now fails",
@@ -522,7 +530,7 @@ def test_a_ratio_taken_above_the_noise_floor_is_marked(tmp_path: Path) -> None:
     # Rows as the noise model makes them (built here, so that the test does not hang on how it
     # computes the floor): 1e-8 -> 6e-7 under a floor of 1e-7 is judged 6x, not 60x.
     base, new = _pair(tmp_path, BASE)
-    diff = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+    diff = diff_module.compare_reports(diff_module.load_report(base), diff_module.load_report(new))
     raised = diff_module.ItemDiff(
         nodeid="t.py::test_a",
         label="value",
@@ -621,10 +629,6 @@ def test_plot_that_cannot_be_written_exits_2(
     assert "pytest-gradref diff: error: cannot write the plot: " in err
 
 
-def test_format_versions_agree() -> None:
-    assert FORMAT_VERSION in diff_module.FORMAT_VERSIONS
-
-
 def test_module_and_console_script(tmp_path: Path) -> None:
     from importlib.metadata import distribution
 
@@ -712,7 +716,9 @@ def test_growth_is_judged_in_rounding_steps_of_the_dtype_at_the_scale(
         _write(tmp_path / "b.json", report(*before)),
         _write(tmp_path / "n.json", report(*after)),
     )
-    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+    result = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new)
+    )
     [item] = result.items
     step = diff_module.EPSILONS["float32"] * scale
     assert item.noise_floor == pytest.approx(diff_module.DEFAULT_NOISE * step)
@@ -720,7 +726,9 @@ def test_growth_is_judged_in_rounding_steps_of_the_dtype_at_the_scale(
     if regressed:
         assert item.regression == f"error grew {item.ratio:.3g}x"
     # Judged raw, every one of them grew beyond the threshold.
-    raw = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new), noise=0)
+    raw = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new), noise=0
+    )
     assert len(raw.regressions) == 1
 
 
@@ -753,7 +761,9 @@ def test_a_budgeted_bf16_error_grown_past_a_few_steps_is_flagged_whatever_its_he
         )
         for name, error, headroom in (("b.json", 1.98, 0.994), ("n.json", 38.1, 0.891))
     )
-    [item] = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new)).items
+    [item] = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new)
+    ).items
     step = diff_module.EPSILONS["bfloat16"] * scale
     assert (item.before / step, item.after / step) == (
         pytest.approx(0.5, rel=0.01),
@@ -779,7 +789,9 @@ def test_normwise_growth_alone_is_flagged_and_says_so(
         return {**BASE, "tests": [_test("t.py::test_a", item)]}
 
     base, new = _write(tmp_path / "b.json", report(1e-6)), _write(tmp_path / "n.json", report(1e-5))
-    [item] = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new)).items
+    [item] = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new)
+    ).items
     assert (item.before, item.after) == (1e-6, 1e-6)
     assert item.normwise
     assert item.ratio == pytest.approx(10)
@@ -827,7 +839,9 @@ def test_a_format_1_report_compares_with_the_absolute_floor_alone(
         _write(tmp_path / "b.json", documents[0]),
         _write(tmp_path / "n.json", documents[1]),
     )
-    result = diff_module.compare(diff_module.load_report(base), diff_module.load_report(new_path))
+    result = diff_module.compare_reports(
+        diff_module.load_report(base), diff_module.load_report(new_path)
+    )
     assert (result.base.format_version, result.new.format_version) == versions
     grown = {(i.nodeid, i.label): i for i in result.items}
     gradient = grown["t.py::test_a", "gradient of argument 0 (x)"]
@@ -959,7 +973,9 @@ def test_a_full_precision_items_noise_is_at_least_its_references_own_error(
     def compare(before: float, after: float, dtype: str, reference: float) -> Any:
         base = _write(tmp_path / "b.json", report(before, dtype, reference))
         new = _write(tmp_path / "n.json", report(after, dtype, reference))
-        return diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+        return diff_module.compare_reports(
+            diff_module.load_report(base), diff_module.load_report(new)
+        )
 
     noise = compare(1.5e-12, 4.9e-12, "float32", 5e-12)
     assert not noise.regressions
@@ -1002,7 +1018,7 @@ def test_a_half_precision_normwise_drift_beyond_its_rounding_noise_is_flagged(
     def compare(before: float, after: float, numel: int | None, dtype: str = "bfloat16") -> Any:
         base = _write(tmp_path / "b.json", _half_precision_report(before, numel, dtype))
         new = _write(tmp_path / "n.json", _half_precision_report(after, numel, dtype))
-        return base, new, diff_module.compare(*map(diff_module.load_report, (base, new)))
+        return base, new, diff_module.compare_reports(*map(diff_module.load_report, (base, new)))
 
     base, new, drifted = compare(2.0e-3, 2.3e-3, 4371)
     [item] = drifted.items
@@ -1077,7 +1093,7 @@ def test_summation_order_is_no_drift_and_a_second_rounding_is(tmp_path: Path) ->
     def judged(before: tuple[float, float, int], after: tuple[float, float, int]) -> Any:
         base = _write(tmp_path / "b.json", report(before))
         new = _write(tmp_path / "n.json", report(after))
-        return diff_module.compare(*map(diff_module.load_report, (base, new))).items[0]
+        return diff_module.compare_reports(*map(diff_module.load_report, (base, new))).items[0]
 
     once = {
         (blocks, reverse): _bf16_matmul_errors(blocks, rounded_twice=False, reverse=reverse)
@@ -1109,7 +1125,9 @@ def test_an_item_as_noisy_as_its_reference_is_judged_at_its_references_noise(
     def compare(before: tuple[float, float], after: tuple[float, float]) -> Any:
         base = _write(tmp_path / "b.json", report(*before))
         new = _write(tmp_path / "n.json", report(*after))
-        return diff_module.compare(diff_module.load_report(base), diff_module.load_report(new))
+        return diff_module.compare_reports(
+            diff_module.load_report(base), diff_module.load_report(new)
+        )
 
     noise = compare((3.78e-9, 3.63e-9), (8.42e-9, 5.14e-9))
     assert not noise.regressions

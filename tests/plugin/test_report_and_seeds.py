@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_gradref.report import FORMAT_VERSION
+from pytest_gradref.diff import FORMAT_VERSION
 
 CASES = """
 import pytest

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from pytest_gradref import diff as diff_module
+from pytest_gradref.diff import FORMAT_VERSION
 from pytest_gradref.inputs import SAMPLE, fingerprints, sample_inputs
-from pytest_gradref.report import FORMAT_VERSION
 from pytest_gradref.settings import BASELINE_REGRESSION_EXIT, seed_for_test
 
 # Two tests that draw their inputs from torch's global generator.
@@ -95,7 +95,7 @@ def test_reports_compare_by_their_inputs_whatever_the_seeds(pytester: pytest.Pyt
     assert [t["seed"] for t in other_seed["tests"]] != [t["seed"] for t in base["tests"]]
     assert [t["inputs"] for t in other_seed["tests"]] == [t["inputs"] for t in base["tests"]]
     load = diff_module.load_report
-    diff = diff_module.compare(
+    diff = diff_module.compare_reports(
         load(pytester.path / "base.json"), load(pytester.path / "seed5.json")
     )
     assert len(diff.items) == 6
@@ -108,7 +108,9 @@ def test_reports_compare_by_their_inputs_whatever_the_seeds(pytester: pytest.Pyt
     _report(pytester, "own0.json", "--gradref-seed=0")
     _report(pytester, "own5.json", "--gradref-seed=5")
     with pytest.raises(diff_module.UnusableInput) as refused:
-        diff_module.compare(load(pytester.path / "own0.json"), load(pytester.path / "own5.json"))
+        diff_module.compare_reports(
+            load(pytester.path / "own0.json"), load(pytester.path / "own5.json")
+        )
     module = "test_reports_compare_by_their_inputs_whatever_the_seeds.py"
     assert str(refused.value).startswith(
         f"inputs differ in 2 tests: {module}::test_kernel[3], {module}::test_kernel[5] (the "
@@ -116,7 +118,7 @@ def test_reports_compare_by_their_inputs_whatever_the_seeds(pytester: pytest.Pyt
     )
     assert "--allow-mismatch compares anyway" in str(refused.value)
     _report(pytester, "again0.json", "--gradref-seed=0")
-    again = diff_module.compare(
+    again = diff_module.compare_reports(
         load(pytester.path / "own0.json"), load(pytester.path / "again0.json")
     )
     assert len(again.items) == 6
@@ -346,7 +348,7 @@ def _document(base_seed: int | None, *tests: dict[str, Any]) -> dict[str, Any]:
 
 def _compare(base: dict[str, Any], new: dict[str, Any]) -> diff_module.Diff:
     parse = diff_module.parse_report
-    return diff_module.compare(parse(base, "base.json"), parse(new, "new.json"))
+    return diff_module.compare_reports(parse(base, "base.json"), parse(new, "new.json"))
 
 
 def test_fingerprints_not_seeds_decide_comparability() -> None:
@@ -366,7 +368,7 @@ def test_fingerprints_not_seeds_decide_comparability() -> None:
         _compare(_document(0, *many), _document(0, *other))
     with pytest.raises(diff_module.UnusableInput, match=r"t\.py::c4 and 2 more \(the finger"):
         _compare(_document(0, *many), _document(0, *other))
-    allowed = diff_module.compare(
+    allowed = diff_module.compare_reports(
         diff_module.parse_report(_document(0, *many), "base.json"),
         diff_module.parse_report(_document(0, *other), "new.json"),
         allow_mismatch=True,
