@@ -37,6 +37,35 @@ def input_grad_is_mean(dtype: torch.dtype) -> bool:
     return dtype != torch.float16
 
 
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the forward pass computes and sums in, for inputs of ``dtype``: that of the
+    logits, the losses, 1/num_valid and the weight and bias gradient sums (float32, float64
+    for float64 inputs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def new_gradients(
+    x: Tensor, weight: Tensor, *, need_grad_x: bool, need_grad_weight: bool, need_grad_bias: bool
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The buffers of the input, weight and bias gradients (None where not needed), in the
+    dtypes and shapes the forward pass returns them in: the chunk loop fills them, and the
+    custom operator's fake implementation returns them as they are, made of fake tensors, so
+    the two cannot disagree."""
+    acc_dtype = work_dtype(x.dtype)
+    grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
+    grad_x = torch.empty(x.shape, dtype=grad_x_dtype, device=x.device) if need_grad_x else None
+    # The first chunk overwrites the weight-gradient sum, so it needs no zeroing pass, unless
+    # there are no rows at all.
+    new_sum = torch.empty if x.shape[0] > 0 else torch.zeros
+    grad_weight = (
+        new_sum(weight.shape, dtype=acc_dtype, device=x.device) if need_grad_weight else None
+    )
+    grad_bias = (
+        torch.zeros(weight.shape[0], dtype=acc_dtype, device=x.device) if need_grad_bias else None
+    )
+    return grad_x, grad_weight, grad_bias
+
+
 def chunked_forward(
     x: Tensor,
     weight: Tensor,
@@ -56,7 +85,7 @@ def chunked_forward(
 ) -> ForwardResult:
     """Losses and gradients of 2-D inputs, ``chunk_size`` rows at a time."""
     device = x.device
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc_dtype = work_dtype(x.dtype)
     valid = labels != options.ignore_index
     # The chunk functions work on the summed loss, so that their elementwise ops scale by
     # Python numbers only, and 1/num_valid (a device tensor: reading the count on the host
@@ -81,16 +110,12 @@ def chunked_forward(
     soft_parts: list[Tensor] = []
     hard_parts: list[Tensor] = []
 
-    grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
-    grad_x = torch.empty(x.shape, dtype=grad_x_dtype, device=device) if need_grad_x else None
-    # The weight gradient is summed over chunks in float32. The first chunk overwrites the
-    # buffer, so it needs no zeroing pass, unless there are no rows at all.
-    new_sum = torch.empty if x.shape[0] > 0 else torch.zeros
-    grad_weight_acc = (
-        new_sum(weight.shape, dtype=acc_dtype, device=device) if need_grad_weight else None
-    )
-    grad_bias_acc = (
-        torch.zeros(weight.shape[0], dtype=acc_dtype, device=device) if need_grad_bias else None
+    grad_x, grad_weight_acc, grad_bias_acc = new_gradients(
+        x,
+        weight,
+        need_grad_x=need_grad_x,
+        need_grad_weight=need_grad_weight,
+        need_grad_bias=need_grad_bias,
     )
     # Where the logit gradients are written over teacher logits in the matmul dtype (the
     # Triton path), two chunks' worth wait for one weight-gradient matmul with twice the inner

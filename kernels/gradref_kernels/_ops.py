@@ -16,7 +16,8 @@ gives the shapes and dtypes of its results, so a compiled graph runs the same co
 
 The chunk loop's operator is wrapped by :class:`._function.FusedLinearJSDFunction`, whose
 backward only scales the saved gradients; the scaled cast is an operator of its own because
-that backward is traced.
+that backward is traced. Neither operator has an autograd formula: the Function calls the chunk
+loop's with grad mode off, and backward calls the scaled cast on tensors that need no gradient.
 """
 
 from typing import Optional
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import select_chunk_kernel
-from ._forward import chunked_forward, input_grad_is_mean
+from ._forward import ForwardResult, chunked_forward, new_gradients, work_dtype
 from ._matmuls import dense
 from ._options import LossOptions
 from ._validation import check_label_range
@@ -74,13 +75,8 @@ def chunked_forward_op(
         labels,
         bias,
         teacher_bias,
-        options=LossOptions(
-            beta=beta,
-            temperature=temperature,
-            ignore_index=ignore_index,
-            weight_hard=weight_hard,
-            weight_soft=weight_soft,
-            compute_hard=compute_hard,
+        options=LossOptions.from_op_args(
+            (beta, temperature, ignore_index, weight_hard, weight_soft, compute_hard)
         ),
         chunk_size=chunk_size,
         chunk_kernel=select_chunk_kernel(implementation, x.device, x.dtype),
@@ -89,15 +85,7 @@ def chunked_forward_op(
         need_grad_weight=need_grad_weight,
         need_grad_bias=need_grad_bias,
     )
-    return (
-        result.loss,
-        result.soft,
-        result.hard,
-        result.inv_num_valid,
-        _absent(x) if result.grad_x is None else result.grad_x,
-        _absent(x) if result.grad_weight is None else result.grad_weight,
-        _absent(x) if result.grad_bias is None else result.grad_bias,
-    )
+    return _outputs(x, result)
 
 
 @chunked_forward_op.register_fake
@@ -124,17 +112,30 @@ def _(
 ) -> ForwardOutputs:
     # Raises here, as the graph is built, when the implementation asked for cannot run.
     select_chunk_kernel(implementation, x.device, x.dtype)
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    scalar = x.new_empty((), dtype=acc_dtype)
-    grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
+    # The dtypes and shapes come from the rule the chunk loop allocates by.
+    loss, soft, hard, inv_num_valid = (x.new_empty((), dtype=work_dtype(x.dtype)) for _ in range(4))
+    grad_x, grad_weight, grad_bias = new_gradients(
+        x,
+        weight,
+        need_grad_x=need_grad_x,
+        need_grad_weight=need_grad_weight,
+        need_grad_bias=need_grad_bias,
+    )
+    return _outputs(
+        x, ForwardResult(loss, soft, hard, inv_num_valid, grad_x, grad_weight, grad_bias)
+    )
+
+
+def _outputs(like: Tensor, result: ForwardResult) -> ForwardOutputs:
+    """The operator's outputs, a gradient that is not computed as an empty tensor."""
     return (
-        scalar,
-        torch.empty_like(scalar),
-        torch.empty_like(scalar),
-        torch.empty_like(scalar),
-        x.new_empty(x.shape, dtype=grad_x_dtype) if need_grad_x else _absent(x),
-        x.new_empty(weight.shape, dtype=acc_dtype) if need_grad_weight else _absent(x),
-        x.new_empty(weight.shape[:1], dtype=acc_dtype) if need_grad_bias else _absent(x),
+        result.loss,
+        result.soft,
+        result.hard,
+        result.inv_num_valid,
+        _absent(like) if result.grad_x is None else result.grad_x,
+        _absent(like) if result.grad_weight is None else result.grad_weight,
+        _absent(like) if result.grad_bias is None else result.grad_bias,
     )
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The options as the custom operator takes them: its schema spells them out, in field order,
+# since an operator's arguments cannot be Python objects.
+OpArgs = tuple[float, float, int, float, float, bool]
+
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -33,3 +37,19 @@ class LossOptions:
         """Whether the hard loss's softmax(z) is S itself: no temperature scaling and no
         padding of the student logits to a wider teacher vocabulary."""
         return self.temperature == 1.0 and vocab_t == vocab_s
+
+    def as_op_args(self) -> OpArgs:
+        """The options as the custom operator's arguments, in field order."""
+        return (
+            self.beta,
+            self.temperature,
+            self.ignore_index,
+            self.weight_hard,
+            self.weight_soft,
+            self.compute_hard,
+        )
+
+    @classmethod
+    def from_op_args(cls, args: OpArgs) -> LossOptions:
+        """The options back from the custom operator's arguments (:meth:`as_op_args`)."""
+        return cls(*args)
