@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pytest_gradref.auxiliary import UNCHECKED
     from pytest_gradref.backends import Backend, BackendRegistry, builtin_backend
-    from pytest_gradref.compare import DEFAULT_TOLERANCES, Tolerance
     from pytest_gradref.computation import compute_reference
     from pytest_gradref.fixture import GradReference
     from pytest_gradref.ranks import RankContext
@@ -21,6 +20,7 @@ if TYPE_CHECKING:
     from pytest_gradref.reference import Reference
     from pytest_gradref.sharding import ShardedReference
     from pytest_gradref.strategies import Strategy, StrategyChoice
+    from pytest_gradref.tolerances import DEFAULT_TOLERANCES, Tolerance
     from pytest_gradref.warning_types import GoldenPrecisionWarning, GradrefWarning
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
 
 # Where each public name lives.
 _HOMES = {
-    "DEFAULT_TOLERANCES": "compare",
+    "DEFAULT_TOLERANCES": "tolerances",
     "UNCHECKED": "auxiliary",
     "Backend": "backends",
     "BackendRegistry": "backends",
@@ -57,7 +57,7 @@ _HOMES = {
     "ShardedReference": "sharding",
     "Strategy": "strategies",
     "StrategyChoice": "strategies",
-    "Tolerance": "compare",
+    "Tolerance": "tolerances",
     "builtin_backend": "backends",
     "compute_reference": "computation",
 }

@@ -11,6 +11,18 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from pytest_gradref.diff import (
+    DEFAULT_FLOOR,
+    DEFAULT_NOISE,
+    DEFAULT_THRESHOLD,
+    MIN_THRESHOLD,
+    UnusableInput,
+    compare_reports,
+    load_report,
+)
+from pytest_gradref.diff_output import FORMATS, PlotUnavailable, check_plotting, plot, render
+from pytest_gradref.numbers import number_problem
+
 EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_UNUSABLE = 2
@@ -18,7 +30,6 @@ EXIT_UNUSABLE = 2
 
 def _number(minimum: float, inclusive: bool = True) -> Callable[[str], float]:
     """An argparse type: a number at or above ``minimum`` (above it when not inclusive)."""
-    from pytest_gradref.numbers import number_problem
 
     def parse(text: str) -> float:
         try:
@@ -34,9 +45,6 @@ def _number(minimum: float, inclusive: bool = True) -> Callable[[str], float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pytest_gradref.diff import DEFAULT_FLOOR, DEFAULT_NOISE, DEFAULT_THRESHOLD, MIN_THRESHOLD
-    from pytest_gradref.diff_output import FORMATS
-
     parser = argparse.ArgumentParser(
         prog="pytest-gradref", description="Tools for pytest-gradref precision reports."
     )
@@ -98,9 +106,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _diff(args: argparse.Namespace) -> int:
-    from pytest_gradref.diff import UnusableInput, compare_reports, load_report
-    from pytest_gradref.diff_output import PlotUnavailable, check_plotting, plot, render
-
     try:
         if args.plot:
             check_plotting()  # before any work

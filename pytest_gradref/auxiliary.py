@@ -5,7 +5,9 @@ values. The actual aux and the reference's are walked together; each leaf gets a
 Python's own indexing syntax (``aux['chosen_rewards']``, ``aux[2]``, ``aux['logps'][0]``), so a
 failure names the item as a test would reach it. Where the two structures differ (a missing
 key, a shorter tuple) the pair is a ``problem`` leaf, reported as a failed item beside the
-others rather than stopping the comparison.
+others rather than stopping the comparison. ``aux_items`` turns the leaves into what compares
+them, for ``Reference.assert_close`` and the crosscheck alike: an item where the reference's
+leaf is a tensor or a number, else a verdict of its own (``AuxValue``).
 
 ``UNCHECKED`` is what a test passes as ``assert_close(aux=...)`` to leave a reference's aux
 uncompared on purpose: leaving ``aux=`` out is an error, so that an aux is never skipped by
@@ -15,12 +17,13 @@ oversight.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Union
+from typing import Any, Final, TypeVar, Union
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from pytest_gradref.dtypes import is_inexact
 
 # The key of an aux tolerance: the top-level key or index of the aux, which covers every
 # item beneath it, or an item's full label such as "aux['logps'][0]".
@@ -140,11 +143,54 @@ def _walk(
 def leaf_tensor(value: Any, device: torch.device | None) -> torch.Tensor | None:
     """An aux leaf as a tensor: itself, or a Python number as a 0-dim tensor (a float as
     float64, its precision) on ``device``; None for anything else."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (bool, int, float, complex)):
         dtype = torch.float64 if isinstance(value, float) and not isinstance(value, bool) else None
         return torch.tensor(value, dtype=dtype, device=device)
     return None
+
+
+@dataclass(frozen=True)
+class AuxValue:
+    """An aux leaf with no tensor to compare, and its verdict: where the two structures differ
+    at its place (the leaf's ``problem``), or a reference leaf that is no tensor or number
+    (a string, None), which the actual's must equal. ``detail`` says why it failed."""
+
+    leaf: AuxLeaf
+    passed: bool
+    detail: str = ""
+
+
+ItemT = TypeVar("ItemT")
+
+
+def aux_items(
+    leaves: Sequence[AuxLeaf],
+    item: Callable[[AuxLeaf, Any, torch.Tensor, torch.Tensor | None, torch.Tensor | None], ItemT],
+) -> list[ItemT | AuxValue]:
+    """Each leaf as what compares it, in order: an ``AuxValue`` for a leaf with no tensor to
+    compare; else the item ``item(leaf, actual, expected, golden, rounded)`` makes, where
+    ``expected`` is the reference's leaf as a tensor, ``actual`` the actual's (a tensor or a
+    number becomes a tensor on the expected's device; anything else is passed as it is, and
+    the comparison fails it), and the golden's and the rounded reference's leaves are tensors
+    where the expected is inexact (None otherwise)."""
+    found: list[ItemT | AuxValue] = []
+    for leaf in leaves:
+        if leaf.problem is not None:
+            found.append(AuxValue(leaf, passed=False, detail=leaf.problem))
+            continue
+        expected = leaf_tensor(leaf.expected, None)
+        if expected is None:  # not numeric: equal or not
+            equal = bool(leaf.actual == leaf.expected)
+            detail = f"{leaf.actual!r} differs from the reference's {leaf.expected!r}"
+            found.append(AuxValue(leaf, passed=equal, detail="" if equal else detail))
+            continue
+        actual = leaf_tensor(leaf.actual, expected.device)
+        golden = rounded = None
+        if is_inexact(expected.dtype):
+            golden = leaf_tensor(leaf.golden, None)
+            rounded = leaf_tensor(leaf.rounded, None)
+        given = leaf.actual if actual is None else actual
+        found.append(item(leaf, given, expected, golden, rounded))
+    return found

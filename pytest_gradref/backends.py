@@ -25,7 +25,7 @@ from pytest_gradref.strategies import STRATEGIES, Strategy
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gradref.compare import Tolerance
+    from pytest_gradref.tolerances import Tolerance
 
 
 def _always_available() -> str | None:

@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_gradref.diff import (
-    DEFAULT_THRESHOLD,
     INPUTS_FORMAT,
-    MIN_THRESHOLD,
     Diff,
     Report,
     UnusableInput,
@@ -27,15 +25,8 @@ from pytest_gradref.diff import (
     parse_report,
 )
 from pytest_gradref.diff_output import noise_phrase
-from pytest_gradref.numbers import number_problem
 from pytest_gradref.report import ReportCollector
-from pytest_gradref.settings import (
-    BASELINE_FAIL_OPTION,
-    BASELINE_OPTION,
-    BASELINE_REFRESH_INI,
-    BASELINE_REGRESSION_EXIT,
-    BASELINE_THRESHOLD_OPTION,
-)
+from pytest_gradref.settings import BASELINE_REFRESH_INI, BASELINE_REGRESSION_EXIT, Settings
 from pytest_gradref.state import is_xdist_worker
 
 
@@ -57,15 +48,11 @@ class BaselineGate:
     refresh: str = ""
 
     @classmethod
-    def from_config(cls, config: pytest.Config, collector: ReportCollector) -> BaselineGate:
-        """The gate of this run; a usage error for an unusable baseline or threshold."""
-        path = config.getoption(BASELINE_OPTION.dest)
-        threshold = config.getoption(BASELINE_THRESHOLD_OPTION.dest)
-        if threshold is None:
-            threshold = DEFAULT_THRESHOLD
-        problem = number_problem(threshold, minimum=MIN_THRESHOLD)
-        if problem is not None:
-            raise pytest.UsageError(f"--gradref-baseline-threshold {problem}, got {threshold:g}")
+    def from_settings(cls, settings: Settings, collector: ReportCollector) -> BaselineGate:
+        """The gate of this run (``settings.baseline`` names the baseline, and
+        ``read_settings`` validated the threshold); a usage error for an unusable baseline."""
+        path = settings.baseline
+        assert path is not None, "a gate needs --gradref-baseline"
         try:
             baseline = load_report(path)
         except UnusableInput as error:
@@ -84,9 +71,9 @@ class BaselineGate:
         return cls(
             baseline,
             collector,
-            threshold,
-            bool(config.getoption(BASELINE_FAIL_OPTION.dest)),
-            refresh=str(config.getini(BASELINE_REFRESH_INI)).strip(),
+            settings.baseline_threshold,
+            settings.baseline_fail,
+            refresh=settings.baseline_refresh,
         )
 
     @pytest.hookimpl(trylast=True)

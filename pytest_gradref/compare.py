@@ -1,152 +1,40 @@
-"""Tolerances, error budgets, and the comparison of actual results with a reference.
+"""The comparison of actual results with a reference: items, their checks, failure messages.
 
 Two criteria:
 - a tolerance: torch.testing.assert_close's defaults, loosened per dtype by a backend or
-  overridden by a test; every check says where its tolerance came from;
+  overridden by a test (the tables are tolerances.py's); every check says where its
+  tolerance came from;
 - an error budget against a golden (higher-precision) reference: the actual result may be at
   most ``budget`` times as far from the golden as the same-dtype reference is, plus a floor
-  (see ``FLOOR_ULPS``), so a reference that happens to land almost exactly on the golden does
-  not demand exactness of the kernel. With a rounded reference (rounding.py: the reference
-  rounded to the compute dtype after every operation) the budget counts from the larger of
-  the two references' errors.
+  (tolerances.FLOOR_ULPS), so a reference that happens to land almost exactly on the golden
+  does not demand exactness of the kernel. With a rounded reference (rounding.py: the
+  reference rounded to the compute dtype after every operation) the budget counts from the
+  larger of the two references' errors.
 
 Each check yields an ``ItemCheck`` with its statistics, for the failure message and the report.
-``check_items`` compares all items of one ``assert_close`` with one host read (see there).
+``check_items`` is the one judge of items: an ``assert_close`` and a crosscheck (two
+strategies' results) both hand it their items, and it compares all of them with one host read
+(see there).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from operator import methodcaller
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
-from pytest_gradref.numbers import check_number
+import torch
 
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    rtol: float
-    atol: float
-
-    def __post_init__(self) -> None:
-        for name in ("rtol", "atol"):
-            check_number(getattr(self, name), f"Tolerance {name}", minimum=0)
-
-
-# torch.testing.assert_close's defaults, by dtype name.
-DEFAULT_TOLERANCES: Mapping[str, Tolerance] = {
-    "float16": Tolerance(rtol=1e-3, atol=1e-5),
-    "bfloat16": Tolerance(rtol=1.6e-2, atol=1e-5),
-    "float32": Tolerance(rtol=1.3e-6, atol=1e-5),
-    "float64": Tolerance(rtol=1e-7, atol=1e-7),
-    "complex32": Tolerance(rtol=1e-3, atol=1e-5),
-    "complex64": Tolerance(rtol=1.3e-6, atol=1e-5),
-    "complex128": Tolerance(rtol=1e-7, atol=1e-7),
-}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class ResolvedTolerance:
-    """A tolerance and a phrase saying where it came from."""
-
-    tolerance: Tolerance
-    source: str
-
-
-@dataclass(frozen=True)
-class ToleranceOverride:
-    """rtol and/or atol set by one source (a marker or an argument)."""
-
-    rtol: float | None
-    atol: float | None
-    source: str
-
-
-def resolve_tolerance(
-    dtype: torch.dtype,
-    backend_name: str,
-    backend_table: Mapping[str, Tolerance],
-    overrides: Sequence[ToleranceOverride] = (),
-    why_dtype: str = "",
-) -> ResolvedTolerance:
-    """The tolerance for one dtype: overrides (first wins) over the backend table over torch's.
-
-    rtol and atol are resolved independently, so a marker that sets only rtol keeps the
-    table's atol. ``why_dtype`` follows the table's name in the source, e.g. why an item
-    is compared at a dtype other than its own.
-    """
-    name = dtype_name(dtype)
-    if name in backend_table:
-        base, base_source = backend_table[name], f"the {backend_name} backend's {name} table"
-    elif name in DEFAULT_TOLERANCES:
-        base, base_source = DEFAULT_TOLERANCES[name], f"torch.testing's default for {name}"
-    else:
-        base, base_source = Tolerance(0.0, 0.0), f"exact comparison for {name}"
-    base_source += why_dtype
-    rtol, rtol_source = base.rtol, base_source
-    atol, atol_source = base.atol, base_source
-    for override in reversed(overrides):
-        if override.rtol is not None:
-            rtol, rtol_source = override.rtol, override.source
-        if override.atol is not None:
-            atol, atol_source = override.atol, override.source
-    if rtol_source == atol_source:
-        source = rtol_source
-    else:
-        source = f"rtol from {rtol_source}, atol from {atol_source}"
-    return ResolvedTolerance(Tolerance(rtol=rtol, atol=atol), source)
-
-
-# The budget of the default verdict (--gradref-verdict=golden) where a test sets none: a
-# kernel may err up to twice as much as the same-dtype reference, greatest and normwise.
-DEFAULT_BUDGET = 2.0
-
-# The budget's floor, in rounding steps (machine epsilons) of the reference's dtype at the
-# item's scale (its largest golden magnitude; for a scalar value the sum of its first-order
-# terms where larger). Half precision: one step, the resolution of the dtype itself; a looser
-# floor would let a real bug hide under it, since bf16 references already err by a few steps.
-# float32 and float64: 16 steps (2e-6 relative in float32, about torch.testing's own float32
-# rtol of 1.3e-6): a kernel that reduces thousands of terms in another order legitimately
-# differs by several steps, while a float32 reference can land within a step of the golden
-# by chance (a scalar loss, typically). Not the compute dtype's steps: a float32 loss of bf16
-# inputs judged in bf16 steps could grow its error 20,000 times unseen.
-FLOOR_ULPS: Mapping[str, float] = {"float16": 1, "bfloat16": 1, "float32": 16, "float64": 16}
-
-# A scalar value's floor is at least this many times the spread of its error under one more
-# rounding of each input at the compute dtype (BudgetItem.condition): a single rounding error
-# of the reference is one draw of that spread, as likely small as not, and a kernel's error
-# of the same spread exceeds twice a small draw often. Four spreads: a false failure in fewer
-# than one in ten thousand values of a correct kernel.
-SPREAD_SIGMAS = 4.0
-
-
-def epsilon(dtype: torch.dtype) -> float:
-    import torch
-
-    if dtype.is_floating_point:
-        return float(torch.finfo(dtype).eps)
-    if dtype.is_complex:
-        return float(torch.finfo(dtype.to_real()).eps)
-    return 0.0
-
-
-def less_precise(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The dtype with the larger machine epsilon: the one that limits achievable accuracy."""
-    return a if epsilon(a) >= epsilon(b) else b
-
-
-def is_inexact(dtype: torch.dtype) -> bool:
-    """Floating or complex: a dtype that rounds, to which tolerances and budgets apply."""
-    return dtype.is_floating_point or dtype.is_complex
+from pytest_gradref.dtypes import epsilon, is_inexact, less_precise
+from pytest_gradref.tolerances import (
+    FLOOR_ULPS,
+    SPREAD_SIGMAS,
+    ResolvedTolerance,
+    Tolerance,
+    dtype_name,
+)
 
 
 @dataclass(frozen=True)
@@ -249,8 +137,6 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
     reference fails on its dtype (``check_dtype``), before any statistics.
     """
     __tracebackhide__ = True
-    import torch
-
     checks: list[ItemCheck | None] = [None] * len(items)
     # Per device: the position of each item and a float64 tensor of its numbers.
     pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -300,8 +186,6 @@ def _batchable(*tensors: torch.Tensor, on: torch.device) -> bool:
     torch.testing's do. ``type(t)`` rather than isinstance, since every subclass is an
     instance of torch.Tensor; a plain nn.Parameter is a plain tensor.
     """
-    import torch
-
     plain = (torch.Tensor, torch.nn.Parameter)
     return on.type != "mps" and all(
         type(t) in plain
@@ -320,8 +204,6 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
     of the tolerance used, in float64; the verdict is read from that share (see ``_finish``),
     which spares the isclose pass. The item is non-empty, with both tensors on one device.
     """
-    import torch
-
     actual, expected = item.actual, item.expected.detach()
     assert actual is not None
     actual = actual.detach()
@@ -352,8 +234,6 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     there is one, of the rounded reference. None for an item the batched pass leaves out. NaN
     anywhere makes an error NaN (a NaN golden makes all NaN), which fails the item; which side
     held it is looked up for the failure message only."""
-    import torch
-
     actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
     assert actual is not None
     references = (reference,) if rounded is None else (reference, rounded)
@@ -386,8 +266,6 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tens
     """|actual - expected| and |expected|, in float64 on expected's device. Equal elements
     differ by 0, infinities of the same sign included (as torch.testing treats them), where
     the subtraction would give NaN."""
-    import torch
-
     a = actual.detach().to(device=expected.device, dtype=torch.float64)
     e = expected.detach().to(torch.float64)
     diff = torch.where(a == e, 0.0, a - e).abs_()
@@ -403,8 +281,6 @@ _CONFIRM_STEPS = 4
 
 def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
     """The check of an item from its statistics read to the host."""
-    import torch
-
     actual = item.actual
     assert actual is not None
     if isinstance(item, ToleranceItem):
@@ -520,8 +396,6 @@ def _tolerance_check(
 ) -> ItemCheck:
     """torch.testing.assert_close writes the failure detail; it runs when the item failed
     (``passed`` False) or when no verdict was computed yet (None)."""
-    import torch
-
     actual = item.actual
     assert actual is not None
     tol = item.resolved.tolerance
@@ -734,8 +608,6 @@ def _times(error: float, basis: float) -> str:
 def _all_zero_hint(reference: torch.Tensor, actual: torch.Tensor | None) -> str:
     """Where the reference is all zero and the actual is not: most often a reference function
     that detaches the input or does not use it differentiably."""
-    import torch
-
     reference = reference.detach()
     if reference.numel() == 0 or bool(torch.any(reference != 0)):
         return ""
@@ -763,8 +635,6 @@ def _stats(
     """Greatest absolute and relative difference and the norms, computed in float64 on
     expected's device, and with a tolerance the greatest |a - e| / (atol + rtol * |e|); with
     host reads, for the items the batched pass leaves out."""
-    import torch
-
     diff, magnitude = difference(actual, expected)
     if diff.numel() == 0:
         return _Stats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -789,8 +659,6 @@ def _stats(
 def _worst_index(actual: torch.Tensor, expected: torch.Tensor) -> str:
     """Where |actual - expected| is greatest (NaN counting as greatest), for a failure message;
     a tensor subclass that cannot locate it (torch 2.6's DTensor has no argmax) says so."""
-    import torch
-
     diff, _ = difference(actual, expected)
     try:
         flat = int(diff.nan_to_num(nan=float("inf")).argmax())
@@ -802,8 +670,6 @@ def _worst_index(actual: torch.Tensor, expected: torch.Tensor) -> str:
 def _shape_problem(
     label: str, actual: object, expected: torch.Tensor, missing: str = MISSING_HINT
 ) -> ItemCheck | None:
-    import torch
-
     if not isinstance(actual, torch.Tensor):
         what = f"None: {missing}" if actual is None else type(actual).__name__
         return ItemCheck(label, "-", float("nan"), float("nan"), "-", float("-inf"), False, what)

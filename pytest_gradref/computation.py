@@ -3,8 +3,9 @@
 It validates fn and its arguments (argnums, a module's parameters chosen with ``params=``),
 names each gradient after fn's signature, finds the compute dtype, runs the strategy
 (differentiation.py), under crosscheck both strategies and their disagreement per item (the
-aux's leaves among them), with ``golden=`` the golden (golden.py), and with ``rounded=True``
-the rounded reference (rounding.py).
+aux's leaves among them, made items by auxiliary.aux_items), judged by compare.check_items
+as assert_close judges an item, with ``golden=`` the golden (golden.py), and with
+``rounded=True`` the rounded reference (rounding.py).
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
 
-from pytest_gradref.auxiliary import leaf_tensor, pair_aux
-from pytest_gradref.compare import difference, dtype_name, epsilon, is_inexact
-from pytest_gradref.differentiation import STRATEGY_FUNCTIONS, Problem, describe
+import torch
+from torch.utils._pytree import tree_leaves
+
+from pytest_gradref.auxiliary import AuxLeaf, AuxValue, aux_items, pair_aux
+from pytest_gradref.compare import ItemCheck, ToleranceItem, check_items
+from pytest_gradref.differentiation import STRATEGY_FUNCTIONS, Problem, Result, describe
+from pytest_gradref.dtypes import ComputeDtype, epsilon, is_inexact
 from pytest_gradref.golden import (
     Golden,
     check_golden_dtype,
@@ -26,14 +31,12 @@ from pytest_gradref.golden import (
     obtained_dtype,
     value_condition,
 )
-from pytest_gradref.policy import CheckPolicy, ComputeDtype
-from pytest_gradref.recording import Disagreement
+from pytest_gradref.recording import Disagreement, Recording
 from pytest_gradref.reference import Reference
 from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
+from pytest_gradref.tolerances import CheckPolicy, dtype_name
 
 if TYPE_CHECKING:
-    import torch
-
     from pytest_gradref.rounding import Rounded
 
 Argnums = Union[int, Sequence[int]]
@@ -52,6 +55,7 @@ def compute_reference(
     strategy: StrategyChoice,
     default_strategy: Strategy,
     policy: CheckPolicy,
+    recording: Recording | None = None,
     golden: torch.dtype | None = None,
     golden_device: torch.device | None = None,
     params: ParamSelection = None,
@@ -61,7 +65,8 @@ def compute_reference(
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
     Under ``crosscheck`` both strategies run, ``default_strategy``'s result is returned and
-    the disagreement per item is recorded on ``Reference.crosscheck``. With ``golden`` the
+    the disagreement per item is on ``Reference.crosscheck``; ``recording`` (where given)
+    records the reference and that disagreement for the report. With ``golden`` the
     primary strategy also runs on inputs upcast to that dtype (on ``golden_device`` when
     given, else where the inputs are); a golden that fn returns less precise than that is
     warned of (GoldenPrecisionWarning). ``params`` chooses a module's parameters
@@ -73,8 +78,6 @@ def compute_reference(
     verdict's float64): a reference of float64 inputs gets none.
     """
     __tracebackhide__ = True
-    import torch
-
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
     if not callable(fn):
@@ -117,17 +120,9 @@ def compute_reference(
     if strategy == "crosscheck":
         other_strategy = next(s for s in STRATEGIES if s != primary)
         other = STRATEGY_FUNCTIONS[other_strategy](problem)
-        pairs = [("value", result.value, other.value)]
-        pairs += zip(labels, result.arg_grads, other.arg_grads)
-        pairs += [
-            (f"gradient of parameter {name!r}", grad, other.param_grads[name])
-            for name, grad in result.param_grads.items()
-        ]
-        crosscheck = tuple(
-            _disagreement(*pair, policy, compute, primary, other_strategy) for pair in pairs
-        ) + _aux_disagreements(result.aux, other.aux, policy, compute, primary, other_strategy)
-    if policy.recording is not None:
-        policy.recording.add_reference(primary, crosscheck or ())
+        crosscheck = _crosscheck(result, other, labels, policy, compute, primary, other_strategy)
+    if recording is not None:
+        recording.add_reference(primary, crosscheck or ())
 
     golden_result = None
     if golden is not None:
@@ -139,7 +134,7 @@ def compute_reference(
         # still gives a bf16 reference a float32 golden worth judging by).
         assert compute is not None or not automatic
         if not automatic or (compute and epsilon(obtained) >= epsilon(compute.dtype)):
-            check_golden_obtained(fn, golden, obtained, policy)
+            check_golden_obtained(fn, golden, obtained, recording)
         golden_result = Golden(
             dtype=golden,
             device=computed.value.device,
@@ -173,6 +168,7 @@ def compute_reference(
         policy=policy,
         compute=compute,
         rounded=rounded_result,
+        recording=recording,
     )
 
 
@@ -222,8 +218,6 @@ def normalize_argnums(
 ) -> tuple[int, ...]:
     """Validated, non-negative argnums; raises a TypeError/ValueError that names the fault."""
     __tracebackhide__ = True
-    import torch
-
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
         raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
     raw = (argnums,) if isinstance(argnums, int) else tuple(argnums)
@@ -334,8 +328,6 @@ def _compute_dtype(
     argument, differentiated or not (a bf16 teacher rounds the loss as a bf16 student does),
     tensors nested in an argument's lists, tuples and dicts, tensor keyword arguments, and the
     module's parameters (checked or not: a frozen bf16 reference model rounds the loss too)."""
-    import torch
-    from torch.utils._pytree import tree_leaves
 
     def tensors(value: Any) -> list[torch.Tensor]:
         return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
@@ -363,79 +355,107 @@ def _compute_dtype(
     return least
 
 
-def _disagreement(
-    label: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
+def _crosscheck(
+    result: Result,
+    other: Result,
+    labels: Sequence[str],
     policy: CheckPolicy,
     compute: ComputeDtype | None,
     received: Strategy,
     checked_against: Strategy,
-) -> Disagreement:
-    """How far ``a`` (received) and ``b`` (checked against) differ, as assert_close measures
-    a difference (equal infinities differ by 0), judged by the tolerance assert_close gives
-    the item."""
-    import torch
+) -> tuple[Disagreement, ...]:
+    """How far the received strategy's result and the other one's differ, item by item (the
+    aux's leaves after the value and the gradients, labelled as assert_close labels them),
+    each item judged by check_items with the tolerance assert_close gives it, all in one
+    host read. The received result is the item's actual, the other one its expected: the
+    relative difference is relative to the result checked against. Aux leaves with nothing
+    to measure (structures that differ, values that are no tensor or number) agree only
+    where equal (no measure: NaN). No aux under either (has_aux=False) has no items."""
 
-    diff, magnitude = difference(a, b)
-    dtype, why = compute.tolerance_dtype(a.dtype) if compute is not None else (a.dtype, "")
-    resolved = policy.tolerance(dtype, why_dtype=why)
-    tol = resolved.tolerance
-    if diff.numel() == 0:
-        return Disagreement(
-            label, dtype_name(a.dtype), 0.0, 0.0, False, resolved.source, received, checked_against
-        )
-    relative = torch.where(diff == 0, 0.0, diff / magnitude)
-    exceeds = not bool(torch.isclose(a.double(), b.double(), rtol=tol.rtol, atol=tol.atol).all())
-    criterion = f"rtol={tol.rtol:g}, atol={tol.atol:g} from {resolved.source}"
+    def item(label: str, actual: Any, expected: torch.Tensor) -> ToleranceItem:
+        tolerance = policy.tolerance(_dtype_of(actual, expected), compute=compute)
+        missing = f"{checked_against}'s aux holds None here"
+        return ToleranceItem(label, actual, expected, tolerance, missing, check_dtype=False)
+
+    found: list[ToleranceItem | AuxValue] = [item("value", result.value, other.value)]
+    found += map(item, labels, result.arg_grads, other.arg_grads)
+    found += [
+        item(f"gradient of parameter {name!r}", grad, other.param_grads[name])
+        for name, grad in result.param_grads.items()
+    ]
+    if result.aux is not None or other.aux is not None:
+
+        def aux_item(
+            leaf: AuxLeaf, actual: Any, expected: torch.Tensor, *references: Any
+        ) -> ToleranceItem:
+            # Paired with the received aux as the reference, whose structure and labels
+            # the items follow: ``actual`` is the other strategy's leaf, turned round here
+            # where it is a tensor (else the comparison fails it as it stands).
+            if isinstance(actual, torch.Tensor):
+                return item(leaf.label, expected, actual)
+            return item(leaf.label, actual, expected)
+
+        found += aux_items(pair_aux(other.aux, result.aux, None), aux_item)
+    items = [entry for entry in found if isinstance(entry, ToleranceItem)]
+    checks = iter(check_items(items))  # one host read (more for a failed item's detail)
+    return tuple(
+        _aux_disagreement(entry, received, checked_against)
+        if isinstance(entry, AuxValue)
+        else _disagreement(entry, next(checks), received, checked_against)
+        for entry in found
+    )
+
+
+def _dtype_of(actual: Any, expected: torch.Tensor) -> torch.dtype:
+    """The received result's dtype, which the item's tolerance follows (the expected's where
+    the received aux holds no tensor there)."""
+    return actual.dtype if isinstance(actual, torch.Tensor) else expected.dtype
+
+
+def _disagreement(
+    item: ToleranceItem, check: ItemCheck, received: Strategy, checked_against: Strategy
+) -> Disagreement:
+    """A crosschecked item as the report records it: the greatest absolute and relative
+    difference, whether it exceeds the item's tolerance (check_items' verdict), and the
+    tolerance, or where the two cannot be measured (shapes that differ), what they lack."""
+    actual, expected = item.actual, item.expected
+    dtype = dtype_name(_dtype_of(actual, expected))
+    criterion = check.criterion
+    if not isinstance(actual, torch.Tensor):
+        criterion = f"a tensor or number on both sides ({check.detail})"
+    elif actual.shape != expected.shape:
+        shapes = f"{tuple(actual.shape)} received, {tuple(expected.shape)} checked against"
+        criterion = f"the same shape ({shapes})"
     return Disagreement(
-        label,
-        dtype_name(a.dtype),
-        float(diff.max()),
-        float(relative.max()),
-        exceeds,
+        item.label,
+        dtype,
+        check.max_abs,
+        check.max_rel,
+        not check.passed,
         criterion,
         received,
         checked_against,
     )
 
 
-def _aux_disagreements(
-    received_aux: Any,
-    other_aux: Any,
-    policy: CheckPolicy,
-    compute: ComputeDtype | None,
-    received: Strategy,
-    checked_against: Strategy,
-) -> tuple[Disagreement, ...]:
-    """The aux's leaves under the two strategies, labelled as assert_close labels them: tensors
-    and numbers measured as the other items are; other values, and places where the two
-    differ in structure or shape, agree only when equal (no measure: NaN). No aux under
-    either (has_aux=False) has no items."""
-    if received_aux is None and other_aux is None:
-        return ()
-    found = []
-    for leaf in pair_aux(other_aux, received_aux, None):
-        a = leaf_tensor(leaf.expected, None)  # the received strategy's
-        b = leaf_tensor(leaf.actual, None if a is None else a.device)
-        if leaf.problem is None and a is not None and b is not None and a.shape == b.shape:
-            found.append(
-                _disagreement(leaf.label, a, b, policy, compute, received, checked_against)
-            )
-            continue
-        if leaf.problem is not None:
-            dtype, agree = "-", False
-            criterion = f"the same structure ({leaf.problem}; the actual: {checked_against}'s aux)"
-        elif a is not None and b is not None:
-            shapes = f"{tuple(a.shape)} received, {tuple(b.shape)} checked against"
-            dtype, agree, criterion = dtype_name(a.dtype), False, f"the same shape ({shapes})"
-        else:
-            dtype, criterion = type(leaf.expected).__name__, "equality"
-            agree = type(leaf.actual) is type(leaf.expected) and bool(leaf.actual == leaf.expected)
-        measure = 0.0 if agree else math.nan
-        found.append(
-            Disagreement(
-                leaf.label, dtype, measure, measure, not agree, criterion, received, checked_against
-            )
-        )
-    return tuple(found)
+def _aux_disagreement(
+    value: AuxValue, received: Strategy, checked_against: Strategy
+) -> Disagreement:
+    """An aux leaf with nothing to measure: the same structure, or equal values."""
+    leaf = value.leaf
+    if leaf.problem is not None:
+        dtype = "-"
+        criterion = f"the same structure ({leaf.problem}; the actual: {checked_against}'s aux)"
+    else:
+        dtype, criterion = type(leaf.expected).__name__, "equality"
+    measure = 0.0 if value.passed else math.nan
+    return Disagreement(
+        leaf.label,
+        dtype,
+        measure,
+        measure,
+        not value.passed,
+        criterion,
+        received,
+        checked_against,
+    )

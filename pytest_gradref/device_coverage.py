@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import pytest
 
 from pytest_gradref.settings import STRICT_DEVICE_EXIT
+from pytest_gradref.state import gradref_state, is_xdist_worker
 
 if TYPE_CHECKING:
-    from pytest_gradref.settings import Setup
+    from pytest_gradref.resolution import Setup
 
 # The test report attribute that carries a test's use of the device (see ``device_use``).
 USE_ATTRIBUTE = "gradref_device_use"
@@ -108,14 +109,10 @@ class DeviceCoverage:
         }
 
     def _setup(self, config: pytest.Config) -> Setup | None:
-        from pytest_gradref.state import gradref_state
-
         return gradref_state(config).resolved
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        from pytest_gradref.state import is_xdist_worker
-
         setup = self._setup(session.config)
         if is_xdist_worker(session.config) or setup is None or not loses_coverage(setup):
             return

@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pytest_gradref.strategies import Strategy
-
-if TYPE_CHECKING:
-    import torch
 
 
 def describe(fn: Callable[..., Any]) -> str:
@@ -61,16 +61,12 @@ class Problem:
         for position, tensor in zip(self.argnums, diff_args):
             full[position] = tensor
         if self.params or self.frozen or self.buffers:
-            import torch
-
             state = {**self.frozen, **buffers, **diff_params}
             return torch.func.functional_call(self.fn, state, tuple(full), self.kwargs)  # type: ignore[arg-type]
         return self.fn(*full, **self.kwargs)
 
     def split(self, out: Any) -> tuple[torch.Tensor, Any]:
         __tracebackhide__ = True
-        import torch
-
         name = describe(self.fn)
         if self.has_aux:
             if not isinstance(out, tuple):
@@ -108,18 +104,17 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class _Result:
+class Result:
+    """What one strategy computed: fn's value and aux, and the gradients."""
+
     value: torch.Tensor
     aux: Any
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: dict[str, torch.Tensor]
 
 
-def _by_autograd(problem: Problem) -> _Result:
+def _by_autograd(problem: Problem) -> Result:
     __tracebackhide__ = True
-    import torch
-    from torch.utils._pytree import tree_map
-
     leaves = [problem.args[i].detach().requires_grad_(True) for i in problem.argnums]
     params = {n: p.detach().requires_grad_(True) for n, p in problem.params.items()}
     inputs = [*leaves, *params.values()]
@@ -132,7 +127,7 @@ def _by_autograd(problem: Problem) -> _Result:
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)]
     # aux comes back detached, as torch.func returns it.
     aux = tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, aux)
-    return _Result(
+    return Result(
         value=loss.detach(),
         aux=aux,
         arg_grads=tuple(grads[: len(leaves)]),
@@ -140,11 +135,8 @@ def _by_autograd(problem: Problem) -> _Result:
     )
 
 
-def _by_grad_and_value(problem: Problem) -> _Result:
+def _by_grad_and_value(problem: Problem) -> Result:
     __tracebackhide__ = True
-    import torch
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
     # torch.func returns only tensors as aux, so the rest of aux waits here and is put back.
     aux_parts: dict[str, Any] = {}
 
@@ -182,7 +174,7 @@ def _by_grad_and_value(problem: Problem) -> _Result:
     leaves = [
         next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in aux_parts["leaves"]
     ]
-    return _Result(
+    return Result(
         value=value.detach(),
         aux=tree_unflatten(leaves, aux_parts["spec"]),
         arg_grads=tuple(arg_grads),
@@ -191,7 +183,7 @@ def _by_grad_and_value(problem: Problem) -> _Result:
 
 
 # What runs each strategy (crosscheck runs both).
-STRATEGY_FUNCTIONS: dict[Strategy, Callable[[Problem], _Result]] = {
+STRATEGY_FUNCTIONS: dict[Strategy, Callable[[Problem], Result]] = {
     "autograd": _by_autograd,
     "grad_and_value": _by_grad_and_value,
 }

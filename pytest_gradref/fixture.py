@@ -1,24 +1,23 @@
 """The object the ``grad_reference`` fixture hands a test: ``GradReference``.
 
 It computes references under the test's policy (strategy, tolerances, golden dtype, where the
-golden is computed, whether a rounded reference is computed too); plugin.py builds it from the
-session's setup and the test's marker.
+golden is computed, whether a rounded reference is computed too) and records them in the test's
+Recording; plugin.py builds it from the session's setup and the test's marker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pytest_gradref.compare import dtype_name
+import torch
+
 from pytest_gradref.computation import Argnums, ParamSelection, compute_reference
-from pytest_gradref.policy import CheckPolicy
+from pytest_gradref.recording import Recording
 from pytest_gradref.reference import Reference
 from pytest_gradref.strategies import Strategy, StrategyChoice
-
-if TYPE_CHECKING:
-    import torch
+from pytest_gradref.tolerances import CheckPolicy, dtype_name
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,8 @@ class GradReference:
 
     ``golden`` is the test's default golden dtype and ``rounded`` whether it asks for a
     rounded reference (from its marker); ``golden_on_cpu`` names the dtypes the backend cannot
-    compute on its device, whose goldens go to the CPU.
+    compute on its device, whose goldens go to the CPU. ``recording`` is the test's record for
+    the report, which every reference and its checks add to (None: nothing is recorded).
     """
 
     strategy: StrategyChoice
@@ -40,6 +40,7 @@ class GradReference:
     # default verdict's float64); None under --gradref-verdict=tolerance or a marker's
     # rtol/atol, which compare with a tolerance and need none.
     default_golden: torch.dtype | None = None
+    recording: Recording | None = None
 
     def __repr__(self) -> str:
         # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
@@ -110,8 +111,8 @@ class GradReference:
         not run in float64, so the default verdict compares with the dtype's tolerance here.
         """
         __tracebackhide__ = True
-        if self.strategy == "crosscheck" and self.policy.recording is not None:
-            self.policy.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
+        if self.strategy == "crosscheck" and self.recording is not None:
+            self.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
         return self._compute(
             "autograd", fn, args, kwargs, argnums, has_aux, golden, params, rounded, False
         )
@@ -133,8 +134,6 @@ class GradReference:
         rounding or the marker's (the golden on the CPU where the backend cannot compute it),
         and the default verdict's golden where ``default_golden``."""
         __tracebackhide__ = True
-        import torch
-
         golden = golden if golden is not None else self.golden
         automatic = self.default_golden if default_golden else None
         golden_device = None
@@ -150,13 +149,14 @@ class GradReference:
             strategy=strategy,
             default_strategy=self.default_strategy,
             policy=self.policy,
+            recording=self.recording,
             params=params,
             golden=golden,
             golden_device=golden_device,
             rounded=rounded if rounded is not None else self.rounded,
             default_golden=automatic,
         )
-        if self.policy.recording is not None:
+        if self.recording is not None:
             # After the reference, which validated the arguments and never changes them.
-            self.policy.recording.add_inputs(fn, args, kwargs)
+            self.recording.add_inputs(fn, args, kwargs)
         return reference

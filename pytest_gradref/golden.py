@@ -11,13 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pytest_gradref.compare import dtype_name, epsilon, is_inexact, less_precise
+import torch
+from torch.utils._pytree import tree_leaves
+
 from pytest_gradref.differentiation import Problem, describe
-from pytest_gradref.policy import CheckPolicy
+from pytest_gradref.dtypes import epsilon, is_inexact, less_precise
+from pytest_gradref.tolerances import dtype_name
 from pytest_gradref.warning_types import GoldenPrecisionWarning, user_stacklevel
 
 if TYPE_CHECKING:
-    import torch
+    from pytest_gradref.recording import Recording
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,6 @@ def value_condition(
     cancel; the second, times u / sqrt(3), is the spread of the value's error when every
     input is rounded once more (see compare.BudgetItem.condition). None for a value that is
     not a scalar or has no gradient."""
-    import torch
-
     plain = (torch.Tensor, torch.nn.Parameter)
     if value.numel() != 1 or type(value) not in plain:
         # A tensor subclass (DTensor, a wrapper) may not stack into the two numbers (torch 2.8's
@@ -77,8 +78,6 @@ def value_condition(
 
 def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:
     """value with floating tensors cast to dtype (and every tensor moved to device)."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         if device is not None:
@@ -114,8 +113,6 @@ def golden_problem(problem: Problem, dtype: torch.dtype, device: torch.device | 
 def check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
     """Refuse a golden that is no floating dtype or is less precise than an argument."""
     __tracebackhide__ = True
-    import torch
-
     if not isinstance(golden, torch.dtype) or not golden.is_floating_point:
         raise TypeError(
             f"golden must be a floating torch.dtype such as torch.float64, got {golden!r}"
@@ -131,9 +128,6 @@ def check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
 
 def obtained_dtype(value: torch.Tensor, aux: Any) -> torch.dtype:
     """The least precise floating dtype among a result's value and aux tensors."""
-    import torch
-    from torch.utils._pytree import tree_leaves
-
     least = value.dtype
     for leaf in tree_leaves(aux):
         if isinstance(leaf, torch.Tensor) and is_inexact(leaf.dtype):
@@ -142,12 +136,15 @@ def obtained_dtype(value: torch.Tensor, aux: Any) -> torch.dtype:
 
 
 def check_golden_obtained(
-    fn: Callable[..., Any], requested: torch.dtype, obtained: torch.dtype, policy: CheckPolicy
+    fn: Callable[..., Any],
+    requested: torch.dtype,
+    obtained: torch.dtype,
+    recording: Recording | None,
 ) -> None:
-    """Warn, once per test, where fn returned a golden less precise than requested."""
+    """Warn, once per test (as ``recording`` keeps), where fn returned a golden less precise
+    than requested."""
     if epsilon(obtained) <= epsilon(requested):
         return
-    recording = policy.recording
     if recording is not None:
         if recording.golden_shortfall is not None:
             return

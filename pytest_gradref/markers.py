@@ -14,10 +14,10 @@ import pytest
 
 from pytest_gradref.numbers import number_problem
 from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
+from pytest_gradref.tolerances import Tolerance, ToleranceOverride
 
 if TYPE_CHECKING:
     from pytest_gradref.auxiliary import AuxKey
-    from pytest_gradref.compare import Tolerance, ToleranceOverride
 
 MARKER_LINES = (
     "gradref_xfail(*devices, reason, raises=None, strict=xfail_strict): expect the test to "
@@ -164,8 +164,6 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
             raise MarkerError(f"@pytest.mark.gradref got {name}={value!r}; it {problem}")
     tolerance = None
     if rtol is not None or atol is not None:
-        from pytest_gradref.compare import ToleranceOverride
-
         tolerance = ToleranceOverride(rtol, atol, "the test's @pytest.mark.gradref marker")
     golden, budget = kwargs.get("golden"), kwargs.get("budget")
     if golden is not None and not getattr(golden, "is_floating_point", False):
@@ -213,8 +211,6 @@ def parse_gradref_mark(mark: pytest.Mark | None) -> TestOverrides:
 def _aux_tolerances(value: object) -> Mapping[AuxKey, Tolerance]:
     """The marker's aux_tolerances, checked as far as they can be before the aux exists: a
     mapping of top-level keys or indices, or item labels, to Tolerance."""
-    from pytest_gradref.compare import Tolerance
-
     if value is None:
         return {}
     example = "aux_tolerances={'logps': pytest_gradref.Tolerance(rtol=1e-2, atol=1e-5)}"

@@ -1,10 +1,13 @@
 """pytest hook implementations and fixtures of pytest-gradref.
 
-Loading this module imports no torch and none of the package's other modules but the hook
-specifications: each hook and fixture imports what it needs when it first runs. A project that
-has the plugin installed but no gradient tests never loads the reference and comparison code,
-nor torch. torch is imported when a test needs the device (a gradref fixture or marker), when
-a device is requested explicitly, or when torch is already loaded.
+Loading this module imports no torch. It imports the configure-time layer at the top: the
+settings, the backends' policies, the markers, the session state and the plugin objects that
+configure registers (report, baseline, device coverage, xdist, multi-rank tests), none of which
+imports torch at load (docs/contributing.md's module table says which module does). The torch
+layer is imported inside the functions that cross into it, once a test needs it: the
+``grad_reference`` fixture's reference and comparison code, and the simulated device. torch is
+imported when a test needs the device (a gradref fixture or marker), when a device is requested
+explicitly, or when torch is already loaded.
 """
 
 from __future__ import annotations
@@ -16,11 +19,47 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_gradref import hookspecs
+from pytest_gradref.backends import BackendRegistry, builtin_backends
+from pytest_gradref.device_coverage import USE_ATTRIBUTE, DeviceCoverage, device_use
+from pytest_gradref.markers import (
+    ALL_MARKERS,
+    DEVICE_MARKERS,
+    MARKER_LINES,
+    MarkerError,
+    device_mark,
+    parse_gradref_mark,
+)
+from pytest_gradref.ranks import RankHooks, rank_fixture
+from pytest_gradref.report import (
+    RECORD_ATTRIBUTE,
+    ReportCollector,
+    check_report_path,
+    record_for_test,
+)
+from pytest_gradref.settings import (
+    BASELINE_REFRESH_HELP,
+    BASELINE_REFRESH_INI,
+    OPTIONS,
+    SEED_OPTION,
+    read_settings,
+    read_simulation,
+    seed_for_test,
+)
+from pytest_gradref.state import (
+    GradrefState,
+    gradref_state,
+    is_xdist_worker,
+    recording_key,
+    seed_key,
+    state_key,
+)
+from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.xdist import XdistHooks, worker_device_request
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gradref.backends import Backend, BackendRegistry
+    from pytest_gradref.backends import Backend
     from pytest_gradref.fixture import GradReference
     from pytest_gradref.ranks import RankContext
 
@@ -32,8 +71,6 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from pytest_gradref.settings import BASELINE_REFRESH_HELP, BASELINE_REFRESH_INI, OPTIONS
-
     group = parser.getgroup("gradref", "gradient references (pytest-gradref)")
     for spec in OPTIONS:
         spec.add_to(group, parser)
@@ -42,8 +79,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
-    from pytest_gradref.backends import builtin_backends
-
     for backend in builtin_backends():
         registry.register_default(backend)
 
@@ -52,25 +87,9 @@ def pytest_gradref_register_backends(registry: BackendRegistry) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # The simulated device is in place before a conftest, or a module it imports, probes for it
     # (transformers caches is_torch_npu_available() on its first call). So far the command
-    # line is parsed into known_args_namespace only.
-    from pytest_gradref.settings import (
-        SIMULATE_NUMERICS_OPTION,
-        SIMULATE_OPTION,
-        OptionSpec,
-        Setting,
-        parse_simulate,
-        parse_simulate_numerics,
-        read_setting,
-    )
-
-    def early(spec: OptionSpec) -> Setting:
-        cli = getattr(early_config.known_args_namespace, spec.dest, None)
-        if cli is not None:
-            return Setting(str(cli), f"the {spec.flag} option")
-        return read_setting(early_config, spec)
-
-    simulate = parse_simulate(early(SIMULATE_OPTION))
-    numerics = parse_simulate_numerics(early(SIMULATE_NUMERICS_OPTION), simulate)
+    # line is parsed into known_args_namespace only; read_settings reads the same again, with
+    # the rest, at configure time.
+    simulate, numerics = read_simulation(early_config, early_config.known_args_namespace)
     _install_simulation(early_config, simulate, numerics, after_conftests=False)
 
 
@@ -82,6 +101,7 @@ def _install_simulation(
     if simulate is None:
         return
     torch_imported = "torch" in sys.modules  # before the simulation imports it
+    # The torch layer: simulated.py imports torch, which only a simulated run may pay for here.
     from pytest_gradref import simulated
 
     if simulated.installed():
@@ -97,94 +117,47 @@ def _install_simulation(
         config.pluginmanager.register(simulated.InstallNotes(notes), "gradref-simulation-notes")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    from pytest_gradref.backends import BackendRegistry
-    from pytest_gradref.device_coverage import DeviceCoverage
-    from pytest_gradref.markers import MARKER_LINES
-    from pytest_gradref.report import ReportCollector, check_report_path
-    from pytest_gradref.settings import (
-        BASELINE_FAIL_OPTION,
-        BASELINE_OPTION,
-        BASELINE_THRESHOLD_OPTION,
-        DEVICE_OPTION,
-        REPORT_OPTION,
-        SEED_OPTION,
-        SIMULATE_NUMERICS_OPTION,
-        SIMULATE_OPTION,
-        STRATEGY_OPTION,
-        STRICT_DEVICE_OPTION,
-        VERDICT_OPTION,
-        parse_device,
-        parse_flag,
-        parse_seed,
-        parse_simulate,
-        parse_simulate_numerics,
-        parse_strategy,
-        parse_verdict,
-        read_setting,
-    )
-    from pytest_gradref.state import GradrefState, is_xdist_worker, state_key
-
-    for gate_option in (BASELINE_FAIL_OPTION, BASELINE_THRESHOLD_OPTION):
-        given = config.getoption(gate_option.dest) not in (None, False)
-        if given and not config.getoption(BASELINE_OPTION.dest):
-            # A gate without a baseline would pass on nothing.
-            raise pytest.UsageError(
-                f"{gate_option.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
-                f"compare the run with; add {BASELINE_OPTION.flag}, or drop {gate_option.flag}"
-            )
-    report_path = config.getoption(REPORT_OPTION.dest)
-    if report_path and not is_xdist_worker(config):
-        check_report_path(report_path)  # before any test runs, not after the whole suite
-    simulate = parse_simulate(read_setting(config, SIMULATE_OPTION))
-    numerics = parse_simulate_numerics(read_setting(config, SIMULATE_NUMERICS_OPTION), simulate)
-    # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
-    # was loaded late, from a conftest: still before any backend is registered or probed.
-    _install_simulation(config, simulate, numerics, after_conftests=True)
-    for line in MARKER_LINES:
-        config.addinivalue_line("markers", line)
-    from pytest_gradref.ranks import RankHooks
-
-    config.pluginmanager.register(RankHooks(config), "gradref-ranks")
+def _registry(config: pytest.Config) -> BackendRegistry:
+    """The backends this session knows: the built-ins and every plugin's, through the hook."""
     registry = BackendRegistry()
     try:
         config.hook.pytest_gradref_register_backends(registry=registry)
     except ValueError as error:  # a plugin registered a name twice, or an invalid policy
         raise pytest.UsageError(f"pytest_gradref_register_backends: {error}") from None
-    device_request = parse_device(read_setting(config, DEVICE_OPTION), registry)
-    xdist_hooks = None
-    if config.pluginmanager.hasplugin("xdist"):
-        from pytest_gradref.xdist import XdistHooks, worker_device_request
+    return registry
 
-        xdist_hooks = XdistHooks
-        # An xdist worker takes the device its controller chose instead.
-        device_request = worker_device_request(config, registry) or device_request
-    strategy_setting = read_setting(config, STRATEGY_OPTION)
-    seed_setting = read_setting(config, SEED_OPTION)
-    seed = parse_seed(seed_setting)
-    state = GradrefState(
-        registry=registry,
-        device_request=device_request,
-        strategy=parse_strategy(strategy_setting),
-        strategy_source=strategy_setting.source,
-        seed=seed,
-        verdict=parse_verdict(read_setting(config, VERDICT_OPTION)),
-        simulated=frozenset({simulate} if simulate else ()),
-        seed_source=seed_setting.source,
-    )
+
+def pytest_configure(config: pytest.Config) -> None:
+    registry = _registry(config)  # registers policies; probes none
+    settings = read_settings(config, registry)
+    if settings.report and not is_xdist_worker(config):
+        check_report_path(settings.report)  # before any test runs, not after the whole suite
+    # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
+    # was loaded late, from a conftest: still before any backend is probed.
+    _install_simulation(config, settings.simulate, settings.simulate_numerics, after_conftests=True)
+    for line in MARKER_LINES:
+        config.addinivalue_line("markers", line)
+    # An xdist worker takes the device its controller chose instead.
+    device_request = worker_device_request(config, registry) or settings.device
+    state = GradrefState(registry=registry, settings=settings, device_request=device_request)
     config.stash[state_key] = state
-    coverage = DeviceCoverage(strict=parse_flag(read_setting(config, STRICT_DEVICE_OPTION)))
+    config.pluginmanager.register(RankHooks(config, state), "gradref-ranks")
+    coverage = DeviceCoverage(strict=settings.strict_device)
     config.pluginmanager.register(coverage, "gradref-device-coverage")
-    collector = ReportCollector(report_path, seed, coverage, simulated=simulate is not None)
+    collector = ReportCollector(
+        settings.report, settings.seed, coverage, simulated=settings.simulate is not None
+    )
     config.pluginmanager.register(collector, "gradref-report")
-    if config.getoption(BASELINE_OPTION.dest) and not is_xdist_worker(config):
+    if settings.baseline and not is_xdist_worker(config):
+        # On-demand: the gate and its output load only in a run gated on a baseline.
         from pytest_gradref.baseline import BaselineGate
 
-        gate = BaselineGate.from_config(config, collector)
+        gate = BaselineGate.from_settings(settings, collector)
         config.pluginmanager.register(gate, "gradref-baseline")
-    if xdist_hooks is not None:
-        config.pluginmanager.register(xdist_hooks(state), "gradref-xdist")
-    if is_xdist_worker(config) and xdist_hooks is not None:
+    xdist = config.pluginmanager.hasplugin("xdist")
+    if xdist:
+        config.pluginmanager.register(XdistHooks(state), "gradref-xdist")
+    if is_xdist_worker(config) and xdist:
         # A worker knows its device before any test runs and makes it the current one.
         setup = state.setup()
         setup.backend.activate(setup.device)
@@ -196,8 +169,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _distributing(config: pytest.Config) -> bool:
     """Whether this process is an xdist controller that will start workers."""
-    from pytest_gradref.state import is_xdist_worker
-
     numprocesses = config.getoption("numprocesses", None)
     return bool(numprocesses) and not is_xdist_worker(config)
 
@@ -206,18 +177,20 @@ def _header_once(config: pytest.Config) -> list[str]:
     """The gradref header line, the first time it is asked for after the setup is resolved:
     in the header where the device was resolved at configure time, else after collection
     (auto resolves once a collected test needs the device)."""
-    from pytest_gradref.state import gradref_state
-
     state = gradref_state(config)
     if state.resolved is None or state.reported:
         return []
     state.reported = True
+    settings = state.settings
     seed: int | str = (
-        state.seed
-        if state.seed is not None
-        else f"off (from {state.seed_source}: gradref leaves torch's seeding to the suite)"
+        settings.seed
+        if settings.seed is not None
+        else (
+            f"off (from {settings.source(SEED_OPTION)}: gradref leaves torch's seeding to the "
+            "suite)"
+        )
     )
-    return [state.resolved.header_line(seed, state.verdict)]
+    return [state.resolved.header_line(seed, settings.verdict)]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -225,8 +198,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def _uses_gradref(item: pytest.Item) -> bool:
-    from pytest_gradref.markers import ALL_MARKERS
-
     names = getattr(item, "fixturenames", ())
     if any(name in names for name in FIXTURE_NAMES):
         return True
@@ -234,9 +205,6 @@ def _uses_gradref(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from pytest_gradref.markers import DEVICE_MARKERS, MarkerError, device_mark, parse_gradref_mark
-    from pytest_gradref.state import gradref_state
-
     state = gradref_state(config)
     users = [item for item in items if _uses_gradref(item)]
     if not users:
@@ -265,15 +233,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # without gradient tests never imports it, and not where seeding is off.
     if "torch" not in sys.modules:
         return
-    from pytest_gradref.settings import seed_for_test
-    from pytest_gradref.state import gradref_state, seed_key
-
     state = gradref_state(item.config)
     if seed_key in item.stash:  # a rerun (pytest-rerunfailures) is seeded afresh
         del item.stash[seed_key]
-    if state.seed is None:
+    if state.settings.seed is None:
         return
-    seed = item.stash[seed_key] = seed_for_test(state.seed, item.nodeid)
+    seed = item.stash[seed_key] = seed_for_test(state.settings.seed, item.nodeid)
     if state.resolved is not None:
         state.resolved.backend.seed(seed)
     else:
@@ -284,18 +249,12 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    from pytest_gradref.state import gradref_state, recording_key
-
     report = yield
     recording = item.stash.get(recording_key, None)
     state = gradref_state(item.config)
     if report.when == "call" and state.resolved is not None:
-        from pytest_gradref.device_coverage import USE_ATTRIBUTE, device_use
-
         report.__dict__[USE_ATTRIBUTE] = device_use(item, _uses_gradref(item), state.resolved)
     if report.when == "call" and recording is not None and state.resolved is not None:
-        from pytest_gradref.report import RECORD_ATTRIBUTE, record_for_test
-
         # A plain attribute travels with the report to the xdist controller.
         report.__dict__[RECORD_ATTRIBUTE] = record_for_test(
             report.nodeid, state.resolved, recording
@@ -306,16 +265,12 @@ def pytest_runtest_makereport(
 @pytest.fixture(scope="session")
 def gradref_backend(pytestconfig: pytest.Config) -> Backend:
     """The active backend policy."""
-    from pytest_gradref.state import gradref_state
-
     return gradref_state(pytestconfig).setup().backend
 
 
 @pytest.fixture(scope="session")
 def gradref_device(pytestconfig: pytest.Config) -> torch.device:
     """The torch.device the tests place their tensors on."""
-    from pytest_gradref.state import gradref_state
-
     return gradref_state(pytestconfig).setup().device
 
 
@@ -323,8 +278,6 @@ def gradref_device(pytestconfig: pytest.Config) -> torch.device:
 def gradref_rank(request: pytest.FixtureRequest) -> RankContext:
     """In a test marked ``@pytest.mark.gradref_ranks(N)``, whose body runs in N processes:
     this rank's number, the world size, its device and the process group."""
-    from pytest_gradref.ranks import rank_fixture
-
     return rank_fixture(request.node)
 
 
@@ -335,23 +288,16 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     Call it as ``grad_reference(fn, *args, argnums=0, has_aux=False, golden=None,
     rounded=None, **kwargs)``.
     """
+    # The torch layer: torch, the reference and the comparison code, once a test asks for them.
     import torch
 
-    from pytest_gradref.compare import DEFAULT_BUDGET
     from pytest_gradref.fixture import GradReference
-    from pytest_gradref.markers import parse_gradref_mark
-    from pytest_gradref.policy import CheckPolicy
     from pytest_gradref.recording import Recording
-    from pytest_gradref.settings import BASELINE_OPTION, REPORT_OPTION
-    from pytest_gradref.state import gradref_state, recording_key, seed_key
 
     state = gradref_state(request.config)
     setup = state.setup()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
-    compared = (
-        request.config.getoption(REPORT_OPTION.dest) is not None
-        or request.config.getoption(BASELINE_OPTION.dest) is not None
-    )
+    compared = state.settings.report is not None or state.settings.baseline is not None
     # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
     recording = request.node.stash[recording_key] = Recording(
         # What gradref seeded, to tell whether the test reseeded torch after it.
@@ -368,13 +314,12 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     statistics = compared or request.config.get_verbosity() > 0 or strategy == "crosscheck"
     # The default verdict judges against a float64 golden; a marker's tolerance, or
     # --gradref-verdict=tolerance, compares with a tolerance and computes none unasked.
-    golden_verdict = state.verdict == "golden" and overrides.tolerance is None
+    golden_verdict = state.settings.verdict == "golden" and overrides.tolerance is None
     policy = CheckPolicy(
         backend=setup.backend.name,
         table=setup.backend.tolerances,
         overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
         budget=overrides.budget,
-        recording=recording,
         statistics=statistics,
         default_budget=DEFAULT_BUDGET if golden_verdict else None,
         check_dtype=overrides.check_dtype,
@@ -388,4 +333,5 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         golden_on_cpu=setup.backend.cpu_only_dtypes,
         rounded=overrides.rounded,
         default_golden=torch.float64 if golden_verdict else None,
+        recording=recording,
     )

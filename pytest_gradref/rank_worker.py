@@ -223,7 +223,7 @@ def _run(task: Task, context: RankContext, backend: Backend, stack: IO[str]) -> 
         if reference is not None:
             from pytest_gradref.sharding import RankGradReference
 
-            recording = reference.policy.recording
+            recording = reference.recording
             kwargs["grad_reference"] = RankGradReference.for_rank(
                 reference, context.rank, context.world_size
             )

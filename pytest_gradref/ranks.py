@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import pytest
 
-from pytest_gradref.markers import RANKS_MARKER
+from pytest_gradref.backends import builtin_backend
+from pytest_gradref.markers import RANKS_MARKER, MarkerError
+from pytest_gradref.numbers import number_problem
+from pytest_gradref.settings import RANK_TIMEOUT_OPTION, seed_for_test
+from pytest_gradref.state import recording_key
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +39,8 @@ if TYPE_CHECKING:
     from pytest_gradref.rank_processes import RankPool, RankResult
     from pytest_gradref.rank_worker import PoolSpec, Task
     from pytest_gradref.recording import Recording
-    from pytest_gradref.settings import Setup
+    from pytest_gradref.resolution import Setup
+    from pytest_gradref.state import GradrefState
 
 _KEYWORDS = ("timeout",)
 # The fixtures each rank makes for itself (rank_worker.py); every other fixture's value comes
@@ -67,6 +72,7 @@ class RankContext:
         """This rank's slice of a full tensor along ``dim``, as the reference's gradients are
         sliced (DTensor's ``Shard(dim)``: pieces of ceil(size / world_size)): a new leaf
         tensor, contiguous, that requires grad where ``tensor`` does."""
+        # The torch layer: sharding.py imports the reference code (fixture.py, reference.py).
         from pytest_gradref.sharding import Cut
 
         piece = Cut(dim % max(tensor.dim(), 1), self.rank, self.world_size).apply(tensor.detach())
@@ -83,9 +89,6 @@ class RanksRequest:
 
 def parse_ranks_mark(mark: pytest.Mark) -> RanksRequest:
     """The marker's request; a MarkerError that says what is valid."""
-    from pytest_gradref.markers import MarkerError
-    from pytest_gradref.numbers import number_problem
-
     usage = "write @pytest.mark.gradref_ranks(2) or @pytest.mark.gradref_ranks(2, timeout=60)"
     unknown = sorted(set(mark.kwargs) - set(_KEYWORDS))
     if unknown:
@@ -196,17 +199,14 @@ class _Timeout:
 class RankHooks:
     """The hooks of multi-rank tests and the pool of rank processes they share."""
 
-    def __init__(self, config: pytest.Config) -> None:
-        from pytest_gradref.settings import RANK_TIMEOUT_OPTION, parse_rank_timeout, read_setting
-
-        setting = read_setting(config, RANK_TIMEOUT_OPTION)
+    def __init__(self, config: pytest.Config, state: GradrefState) -> None:
+        settings = state.settings
         self.config = config
-        self.timeout = _Timeout(parse_rank_timeout(setting), setting.source)
+        self.state = state
+        self.timeout = _Timeout(settings.rank_timeout, settings.source(RANK_TIMEOUT_OPTION))
         self._pool: RankPool | None = None
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        from pytest_gradref.markers import MarkerError
-
         for item in items:
             mark = item.get_closest_marker(RANKS_MARKER)
             if mark is None:
@@ -251,23 +251,19 @@ class RankHooks:
         self._close()
 
     def _devices(self, item: pytest.Item, world_size: int) -> tuple[str, ...] | str:
-        from pytest_gradref.settings import DEVICE_OPTION, parse_device, read_setting
-        from pytest_gradref.state import gradref_state
-
-        state = gradref_state(self.config)
-        setup = state.setup()
+        setup = self.state.setup()
         if self._collective(setup) is None:
             return (
                 f"the {setup.backend.name} backend declares no collective_backend, so its "
                 "multi-rank tests cannot run (a backend declares one with "
                 "Backend(collective_backend=...))"
             )
-        import torch.distributed
+        import torch.distributed  # the torch layer, once a multi-rank test is to run
 
         if not torch.distributed.is_available():
             return "this torch build has no torch.distributed"
         # The user's own setting: on an xdist worker the device request is the controller's.
-        pinned = parse_device(read_setting(self.config, DEVICE_OPTION), state.registry).index
+        pinned = self.state.settings.device.index
         workerinput = getattr(self.config, "workerinput", None)
         worker = None
         if workerinput is not None:
@@ -282,11 +278,12 @@ class RankHooks:
 
     def _run(self, item: pytest.Function, devices: tuple[str, ...], timeout: _Timeout) -> None:
         """Run the test in its ranks, record what they checked, and end it as they did."""
+        # The rank processes' modules are on-demand: a run without multi-rank tests never
+        # loads them (they cost a plain session about 10 ms at configure).
         from pytest_gradref.rank_processes import RankPool
         from pytest_gradref.rank_worker import PoolSpec
-        from pytest_gradref.state import gradref_state, recording_key
 
-        setup = gradref_state(self.config).setup()
+        setup = self.state.setup()
         collective = self._collective(setup)
         assert collective is not None  # else the test was skipped at setup
         spec = PoolSpec(
@@ -316,14 +313,12 @@ class RankHooks:
         conclude(results, spec, timeout.seconds, timeout.source)
 
     def _task(self, item: pytest.Function, timeout: float) -> Task:
-        from pytest_gradref.rank_worker import Task
-        from pytest_gradref.settings import seed_for_test
-        from pytest_gradref.state import gradref_state
+        from pytest_gradref.rank_worker import Task  # on-demand, as in _run
 
         # The arguments pytest passes the function (its own pyfunc_call reads the same).
         names = tuple(item._fixtureinfo.argnames)
         sent = {name: item.funcargs[name] for name in names if name not in PER_RANK_FIXTURES}
-        state = gradref_state(self.config)
+        seed = self.state.settings.seed
         cls, module = item.cls, item.module
         assert module is not None  # a test function lives in a module
         return Task(
@@ -334,7 +329,7 @@ class RankHooks:
             function_name=item.originalname,
             fixtures=_pickled_fixtures(sent),
             per_rank=tuple(name for name in names if name in PER_RANK_FIXTURES),
-            seed=None if state.seed is None else seed_for_test(state.seed, item.nodeid),
+            seed=None if seed is None else seed_for_test(seed, item.nodeid),
             timeout=timeout,
             rewrite=self.config.getoption("assertmode", "rewrite") == "rewrite",
             tbstyle=str(self.config.getoption("tbstyle", "auto")),
@@ -354,8 +349,6 @@ def _pickled_backend(setup: Setup) -> bytes:
     try:
         return pickle.dumps(setup.backend)
     except Exception:
-        from pytest_gradref.backends import builtin_backend
-
         always = builtin_backend("cpu").probe  # a module-level function: it pickles
         return pickle.dumps(setup.backend.replace(probe=always, count_devices=None))
 

@@ -2,39 +2,37 @@
 
 ``Reference`` holds the value, gradients, aux and golden that compute_reference produced
 (computation.py) and checks a kernel's results against them: it pairs each actual item with
-its reference, chooses its tolerance or budget (policy.py), and fails with every item that
-differs.
+its reference, chooses its tolerance or budget (tolerances.py), has check_items (compare.py)
+judge them all, and fails with every item that differs.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-from pytest_gradref.auxiliary import UNCHECKED, AuxKey, leaf_tensor, pair_aux
+import torch
+
+from pytest_gradref.auxiliary import UNCHECKED, AuxKey, AuxLeaf, AuxValue, aux_items, pair_aux
 from pytest_gradref.compare import (
     MISSING_HINT,
     BudgetItem,
     Item,
     ItemCheck,
-    Tolerance,
     ToleranceItem,
-    ToleranceOverride,
     check_items,
     format_failures,
-    is_inexact,
 )
+from pytest_gradref.dtypes import ComputeDtype
 from pytest_gradref.golden import Golden
 from pytest_gradref.numbers import check_number
-from pytest_gradref.policy import CheckPolicy, ComputeDtype
-from pytest_gradref.recording import Disagreement
+from pytest_gradref.recording import Disagreement, Recording
 from pytest_gradref.strategies import Strategy
+from pytest_gradref.tolerances import CheckPolicy, Tolerance, ToleranceOverride
 
 if TYPE_CHECKING:
-    import torch
-
     from pytest_gradref.rounding import Rounded
 
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
@@ -62,6 +60,7 @@ class Reference:
         rounded: the same with every floating-point result rounded to the compute dtype,
             when ``rounded=True`` was asked for; a budget then counts from the larger of its
             error and the reference's.
+        recording: where the test's checks are recorded for the report (None: nowhere).
     """
 
     value: torch.Tensor
@@ -76,6 +75,7 @@ class Reference:
     policy: CheckPolicy
     compute: ComputeDtype | None = None
     rounded: Rounded | None = None
+    recording: Recording | None = field(default=None, repr=False)
 
     def assert_close(
         self,
@@ -188,8 +188,8 @@ class Reference:
             raise ValueError("assert_close(): aux_tolerances= needs the actual aux, as aux=")
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
         checks += unpaired
-        if self.policy.recording is not None:
-            self.policy.recording.add_checks(checks)
+        if self.recording is not None:
+            self.recording.add_checks(checks)
         if not all(check.passed for check in checks):
             # The device index too: under xdist each worker has its own (npu:0, npu:1).
             header = (
@@ -231,10 +231,7 @@ class Reference:
                 check_dtype=check_dtype,
                 condition=condition,
             )
-        dtype, why = expected.dtype, ""
-        if self.compute is not None:
-            dtype, why = self.compute.tolerance_dtype(dtype)
-        resolved = self.policy.tolerance(dtype, extra, why)
+        resolved = self.policy.tolerance(expected.dtype, extra, self.compute)
         return ToleranceItem(label, actual, expected, resolved, missing, check_dtype)
 
     def _leave_aux_unchecked(self, aux_tolerances: Mapping[AuxKey, Tolerance] | None) -> None:
@@ -250,9 +247,9 @@ class Reference:
                 "assert_close(): aux_tolerances= has nothing to apply to under "
                 "aux=pytest_gradref.UNCHECKED; pass the kernel's aux as aux= to compare it"
             )
-        if self.policy.recording is not None:
+        if self.recording is not None:
             leaves = pair_aux(self.aux, self.aux, None)
-            self.policy.recording.add_unchecked_aux(leaf.label for leaf in leaves)
+            self.recording.add_unchecked_aux(leaf.label for leaf in leaves)
 
     def _aux_items(
         self,
@@ -299,45 +296,37 @@ class Reference:
                     f"assert_close(): aux_tolerances[{name!r}] must be a "
                     f"pytest_gradref.Tolerance(rtol=..., atol=...), got {tolerance!r}"
                 )
-        for leaf in leaves:
-            if leaf.problem is not None:
-                unpaired.append(_failed(leaf.label, leaf.problem))
-                continue
-            expected = leaf_tensor(leaf.expected, None)
-            if expected is None:  # not numeric: equal or not
-                if leaf.actual != leaf.expected:
-                    unpaired.append(
-                        _failed(
-                            leaf.label,
-                            f"{leaf.actual!r} differs from the reference's {leaf.expected!r}",
-                        )
-                    )
-                continue
-            actual = leaf_tensor(leaf.actual, expected.device)
-            golden = rounded = None
-            if is_inexact(expected.dtype):
-                golden = leaf_tensor(leaf.golden, None)
-                rounded = leaf_tensor(leaf.rounded, None)
+
+        def item(
+            leaf: AuxLeaf,
+            actual: Any,
+            expected: torch.Tensor,
+            golden: torch.Tensor | None,
+            rounded: torch.Tensor | None,
+        ) -> Item:
             item_extra, item_budget = extra, budget
             own = _aux_tolerance(leaf.label, leaf.key, tolerances, marker)
             if own is not None:
                 item_extra = (ToleranceOverride(own[0].rtol, own[0].atol, own[1]), *extra)
                 item_budget = None
             missing = "the actual aux holds None here"
-            item_actual = leaf.actual if actual is None else actual
-            items.append(
-                self._item(
-                    leaf.label,
-                    item_actual,
-                    expected,
-                    golden,
-                    item_budget,
-                    item_extra,
-                    check_dtype,
-                    missing,
-                    rounded,
-                )
+            return self._item(
+                leaf.label,
+                actual,
+                expected,
+                golden,
+                item_budget,
+                item_extra,
+                check_dtype,
+                missing,
+                rounded,
             )
+
+        for found in aux_items(leaves, item):
+            if not isinstance(found, AuxValue):
+                items.append(found)
+            elif not found.passed:
+                unpaired.append(_failed(found.leaf.label, found.detail))
 
     def _pair_items(
         self,
@@ -348,8 +337,6 @@ class Reference:
         """(label, actual, reference, golden or None, rounded reference or None, what a None
         actual means) for every item, validated."""
         __tracebackhide__ = True
-        import torch
-
         golden, rounded = self.golden, self.rounded
         expected_grads = self.grads if isinstance(self.grads, tuple) else (self.grads,)
         items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any, Any, str]] = [

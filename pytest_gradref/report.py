@@ -6,20 +6,25 @@ there, written as JSON with ``--gradref-report=PATH`` and summarised in the term
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_gradref.diff import FORMAT_VERSION
+from pytest_gradref.inputs import fingerprints
+from pytest_gradref.state import gradref_state, is_xdist_worker
 
 if TYPE_CHECKING:
     from pytest_gradref.compare import ItemCheck
     from pytest_gradref.device_coverage import DeviceCoverage
     from pytest_gradref.recording import Recording
-    from pytest_gradref.settings import Setup
+    from pytest_gradref.resolution import Setup
 
 TIGHTEST_SHOWN = 10
 # The test report attribute that carries a test's record (to the xdist controller too).
@@ -53,8 +58,6 @@ def _item_fields(check: ItemCheck) -> dict[str, Any]:
 
 def record_for_test(nodeid: str, setup: Setup, recording: Recording) -> dict[str, Any]:
     """One test's record, made of plain values so it can travel between processes."""
-    from pytest_gradref.inputs import fingerprints
-
     return {
         "nodeid": nodeid,
         "device": str(setup.device),
@@ -104,8 +107,6 @@ def check_report_path(path: str) -> None:
         what = "is not a directory" if os.path.exists(parent) else "does not exist"
         problem = f"its directory {parent} {what}; create it first, or name a file elsewhere"
     else:
-        import tempfile
-
         try:
             handle, probe = tempfile.mkstemp(prefix=f".{target.name}.", dir=parent)
         except OSError as error:
@@ -158,12 +159,8 @@ class ReportCollector:
             self.records.append({**record, "outcome": report.outcome})
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        from pytest_gradref.state import is_xdist_worker
-
         if self.path is None or is_xdist_worker(session.config):
             return
-        import json
-
         document = {**self.run_fields(session.config), "tests": self.tests()}
         _write_atomically(self.path, json.dumps(document, indent=2) + "\n")
 
@@ -173,10 +170,6 @@ class ReportCollector:
 
     def run_fields(self, config: pytest.Config) -> dict[str, Any]:
         """What a comparison of two reports needs to know about the run as a whole."""
-        import sys
-
-        from pytest_gradref.state import gradref_state
-
         setup = gradref_state(config).resolved
         torch = sys.modules.get("torch")  # loaded whenever a test recorded something
         # Run under --gradref-simulate, or any test on a simulated device: such a report
@@ -309,6 +302,6 @@ class ReportCollector:
 
 def _simulated_numerics() -> str:
     """The numerics of this process's simulated npu (torch is loaded: a test ran on it)."""
-    from pytest_gradref import simulated
+    from pytest_gradref import simulated  # the torch layer: simulated.py imports torch
 
     return simulated.numerics()

@@ -1,28 +1,31 @@
-"""The session's device and strategy: where each setting came from, and what it resolves to.
+"""The gradref settings: their options, where each value came from, and their parsing.
 
-Precedence, highest first: command line, environment variable, ini key, default ("auto").
-Per-test markers sit above all of these for the strategy; see plugin.py.
-
-Parsing needs no torch. Resolving (probing availability, counting devices) imports torch and
-is done only once a test needs it, so loading the plugin stays cheap.
+Precedence, highest first: command line, environment variable, ini key, default. Per-test
+markers sit above all of these for the strategy; see plugin.py. ``read_settings`` reads and
+validates every setting once, at configure time, into one ``Settings``, which the session's
+state holds (state.py); resolving the device from it is resolution.py's. Nothing here imports
+torch.
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gradref.diff import DEFAULT_THRESHOLD, MIN_THRESHOLD
+from pytest_gradref.numbers import number_problem
 from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
 
 if TYPE_CHECKING:
-    import torch
-
-    from pytest_gradref.backends import Backend, BackendRegistry
+    from pytest_gradref.backends import BackendRegistry
 
 DEVICE_HELP = (
     "device the gradient tests run on: auto (the first available of cuda, npu, xpu, mps, cpu), "
@@ -225,11 +228,15 @@ class Setting:
     source: str
 
 
-def read_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
-    """The value of one setting and a phrase naming its source."""
+def read_setting(
+    config: pytest.Config, spec: OptionSpec, namespace: argparse.Namespace | None = None
+) -> Setting:
+    """The value of one setting and a phrase naming its source. ``namespace``: the command
+    line as parsed so far, where ``config.option`` does not hold it yet (pytest's
+    ``early_config.known_args_namespace``)."""
     if spec.env is None or spec.ini is None:
         raise ValueError(f"{spec.flag} is a plain option, not a setting with env and ini")
-    cli = config.getoption(spec.dest)
+    cli = config.getoption(spec.dest) if namespace is None else getattr(namespace, spec.dest, None)
     if cli is not None:
         return Setting(str(cli), f"the {spec.flag} option")
     env = os.environ.get(spec.env, "").strip()
@@ -336,8 +343,6 @@ def parse_rank_timeout(setting: Setting) -> float:
 
 def seed_for_test(base: int, nodeid: str) -> int:
     """A seed that depends only on the base seed and the test's node id (stable across runs)."""
-    import hashlib
-
     digest = hashlib.sha256(f"{base}:{nodeid}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # < 2**63, what torch.manual_seed takes
 
@@ -386,136 +391,108 @@ def parse_strategy(setting: Setting) -> StrategyChoice | None:
     )
 
 
-@dataclass(frozen=True)
-class Setup:
-    """The resolved session setup, as the header reports it."""
+def read_simulation(
+    config: pytest.Config, namespace: argparse.Namespace | None = None
+) -> tuple[str | None, str]:
+    """The device type to simulate (None for none) and its numerics (cpu or ascend), read
+    and parsed as ``read_settings`` does, for the hook that installs the simulated device
+    before the initial conftests, ahead of configure (from ``namespace``, the command line
+    parsed so far)."""
+    simulate = parse_simulate(read_setting(config, SIMULATE_OPTION, namespace))
+    setting = read_setting(config, SIMULATE_NUMERICS_OPTION, namespace)
+    return simulate, parse_simulate_numerics(setting, simulate)
 
-    backend: Backend
-    device: torch.device
-    index: int | None
-    device_source: str
+
+@dataclass(frozen=True)
+class Settings:
+    """Every gradref setting of the session, read and validated once (``read_settings``).
+
+    Attributes:
+        device: the device setting (auto, or a backend and an index), with its source. On an
+            xdist worker the device the controller assigned may differ (state.py).
+        strategy: the strategy; None for auto, the backend's default.
+        seed: the base seed; None where seeding is off: the suite seeds its tests.
+        verdict: golden or tolerance: how a test without a tolerance is judged.
+        simulate: the device type simulated on the CPU (``--gradref-simulate``), or None.
+        simulate_numerics: the simulated device's numerics, cpu or ascend.
+        strict_device: whether a run with tests that did not use the device fails.
+        rank_timeout: seconds a rank of a multi-rank test may run, unless its marker says.
+        report: the path of the JSON report to write, or None.
+        baseline: the path of the baseline report to compare the run with, or None.
+        baseline_fail: whether a regression against the baseline fails the session.
+        baseline_threshold: how many times an item's error may grow against the baseline.
+        baseline_refresh: the project's command that writes the baseline again ("" for none).
+        sources: where each option's value came from, by its ``OptionSpec.dest``: "the
+            --gradref-seed option", "the GRADREF_SEED environment variable", "the default".
+    """
+
+    device: DeviceRequest
     strategy: StrategyChoice | None
-    strategy_source: str
-    unavailable: tuple[tuple[str, str], ...]
-    simulated: bool = False
+    seed: int | None
+    verdict: str
+    simulate: str | None
+    simulate_numerics: str
+    strict_device: bool
+    rank_timeout: float
+    report: str | None
+    baseline: str | None
+    baseline_fail: bool
+    baseline_threshold: float
+    baseline_refresh: str
+    sources: Mapping[str, str]
+
+    def source(self, spec: OptionSpec) -> str:
+        """Where the option's value came from, as an error or the header names it."""
+        return self.sources[spec.dest]
 
     @property
-    def label(self) -> str:
-        """The device as the user names it: "cuda:1", or "npu:0 on cpu" for a test policy."""
-        if self.device.type == self.backend.name:
-            return str(self.device)
-        named = f"{self.backend.name}:{self.index or 0}"
-        return f"{named} on {self.device}"
-
-    def effective_strategy(self) -> StrategyChoice:
-        return self.strategy if self.strategy is not None else self.backend.default_strategy
-
-    def description(self) -> str:
-        """The device's name, or "simulated on CPU": a simulated run never reads as real."""
-        if self.simulated:
-            return "simulated on CPU"
-        return self.backend.describe_device(self.device)
-
-    def header_line(self, seed: int | str, verdict: str = "golden") -> str:
-        """The header: device, strategy and seed (the base seed, or why there is none), and
-        the verdict where it is not the default (``--gradref-verdict=tolerance``)."""
-        description = self.description()
-        strategy = self.effective_strategy()
-        if self.strategy is None:
-            strategy_from = f"{self.backend.name} default"
-        else:
-            strategy_from = f"from {self.strategy_source}"
-        line = (
-            f"gradref: device={self.label} ({description}; {self.device_source}) "
-            f"strategy={strategy} ({strategy_from}) seed={seed}"
-        )
-        if verdict != "golden":
-            line += f" verdict={verdict}"
-        if self.simulated:
-            from pytest_gradref.simulated import numerics_note
-
-            line += f" | {numerics_note()}"
-            # Said where a compiled kernel's results are read: on this device they are not the
-            # compiled path's (simulated.py, _not_traced).
-            line += (
-                " | simulated: torch.compile runs simulated tensors eagerly (Dynamo cannot "
-                "trace them; fullgraph=True raises)"
-            )
-        if self.unavailable:
-            reasons = "; ".join(f"{name} unavailable: {why}" for name, why in self.unavailable)
-            line += f" | {reasons}"
-        return line
+    def simulated(self) -> frozenset[str]:
+        """The device types this process simulates."""
+        return frozenset({self.simulate} if self.simulate else ())
 
 
-def resolve(
-    request: DeviceRequest,
-    strategy: StrategyChoice | None,
-    strategy_source: str,
-    registry: BackendRegistry,
-    simulated: frozenset[str] = frozenset(),
-) -> Setup:
-    """Probe backends and pick the device; a usage error says why a request cannot be met."""
-    unavailable: list[tuple[str, str]] = []
-    if request.backend is None:
-        backend = _first_available(registry.auto_order(), unavailable)
-        device_source = "auto: first available"
-    else:
-        backend = registry.get(request.backend)
-        reason = backend.unavailable_reason()
-        if reason is not None:
+def _plain_source(config: pytest.Config, spec: OptionSpec) -> str:
+    """The source of a plain option (command line only): the option, or the default."""
+    given = config.getoption(spec.dest) not in (None, False)
+    return f"the {spec.flag} option" if given else "the default"
+
+
+def read_settings(config: pytest.Config, registry: BackendRegistry) -> Settings:
+    """Every gradref setting, each from its highest source, validated: a usage error names
+    the source of a bad value and says what is valid. ``registry`` holds the backends a
+    device setting may name."""
+    raw = {spec.dest: read_setting(config, spec) for spec in OPTIONS if spec.ini}
+    sources = {spec.dest: _plain_source(config, spec) for spec in OPTIONS if not spec.ini}
+    sources.update((dest, setting.source) for dest, setting in raw.items())
+    baseline = config.getoption(BASELINE_OPTION.dest)
+    for gate_option in (BASELINE_FAIL_OPTION, BASELINE_THRESHOLD_OPTION):
+        if sources[gate_option.dest] != "the default" and not baseline:
+            # A gate without a baseline would pass on nothing.
             raise pytest.UsageError(
-                f"gradref device {request.setting.value!r} from {request.setting.source} is "
-                f"unavailable: {reason}. Install or expose that device, "
-                f"{_simulation_hint(backend, simulated)}or use --gradref-device=auto to take "
-                "the first available one."
+                f"{gate_option.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
+                f"compare the run with; add {BASELINE_OPTION.flag}, or drop {gate_option.flag}"
             )
-        device_source = f"from {request.setting.source}"
-    if request.index is not None:
-        count = backend.device_count()
-        if request.index >= count:
-            visible = ""
-            if backend.visible_devices_env and backend.visible_devices_env in os.environ:
-                env = backend.visible_devices_env
-                visible = f" with {env}={os.environ[env]!r}"
-            raise pytest.UsageError(
-                f"gradref device {request.setting.value!r} from {request.setting.source} is "
-                f"out of range: {count} {backend.name} device(s) visible{visible}, so the "
-                f"index must be 0..{count - 1}"
-            )
-    return Setup(
-        backend=backend,
-        device=backend.device(request.index),
-        index=request.index,
-        device_source=device_source,
-        strategy=strategy,
-        strategy_source=strategy_source,
-        unavailable=tuple(unavailable),
-        simulated=backend.device_type in simulated,
+    threshold = config.getoption(BASELINE_THRESHOLD_OPTION.dest)
+    if threshold is None:
+        threshold = DEFAULT_THRESHOLD
+    problem = number_problem(threshold, minimum=MIN_THRESHOLD)
+    if problem is not None:
+        raise pytest.UsageError(f"{BASELINE_THRESHOLD_OPTION.flag} {problem}, got {threshold:g}")
+    simulate = parse_simulate(raw[SIMULATE_OPTION.dest])
+    numerics = parse_simulate_numerics(raw[SIMULATE_NUMERICS_OPTION.dest], simulate)
+    return Settings(
+        device=parse_device(raw[DEVICE_OPTION.dest], registry),
+        strategy=parse_strategy(raw[STRATEGY_OPTION.dest]),
+        seed=parse_seed(raw[SEED_OPTION.dest]),
+        verdict=parse_verdict(raw[VERDICT_OPTION.dest]),
+        simulate=simulate,
+        simulate_numerics=numerics,
+        strict_device=parse_flag(raw[STRICT_DEVICE_OPTION.dest]),
+        rank_timeout=parse_rank_timeout(raw[RANK_TIMEOUT_OPTION.dest]),
+        report=config.getoption(REPORT_OPTION.dest) or None,
+        baseline=baseline or None,
+        baseline_fail=bool(config.getoption(BASELINE_FAIL_OPTION.dest)),
+        baseline_threshold=float(threshold),
+        baseline_refresh=str(config.getini(BASELINE_REFRESH_INI)).strip(),
+        sources=MappingProxyType(sources),
     )
-
-
-def _simulation_hint(backend: Backend, simulated: frozenset[str]) -> str:
-    """How to run an unavailable device's code path without its hardware, as a clause of the
-    error ("" where --gradref-simulate cannot help: a real runtime is installed, which the
-    simulation refuses to shadow, or the device is no simulatable one)."""
-    import importlib.util
-
-    device_type = backend.device_type
-    package = SIMULATED_PACKAGES.get(device_type)
-    if package is None or device_type in simulated or importlib.util.find_spec(package):
-        return ""
-    return (
-        f"run its code path without the hardware with --gradref-simulate={device_type} (a "
-        f"simulated {device_type} backed by the CPU: it proves the code path, not the "
-        "device's numerics), "
-    )
-
-
-def _first_available(candidates: Sequence[Backend], unavailable: list[tuple[str, str]]) -> Backend:
-    for backend in candidates:
-        reason = backend.unavailable_reason()
-        if reason is None:
-            return backend
-        unavailable.append((backend.name, reason))
-    reasons = "; ".join(f"{name}: {why}" for name, why in unavailable) or "none registered"
-    raise pytest.UsageError(f"gradref found no available device for auto ({reasons})")

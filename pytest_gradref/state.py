@@ -1,7 +1,7 @@
 """The session's gradref state and the stash keys that hold it.
 
-Its own module so that the hook modules (plugin.py, xdist.py) both import it and neither
-imports the other.
+Its own module so that plugin.py and the plugin objects it registers (xdist.py, ranks.py,
+report.py, baseline.py, device_coverage.py) all import it, and none of them imports plugin.py.
 """
 
 from __future__ import annotations
@@ -11,44 +11,32 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_gradref.resolution import resolve
+
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
     from pytest_gradref.recording import Recording
-    from pytest_gradref.settings import DeviceRequest, Setup
-    from pytest_gradref.strategies import StrategyChoice
+    from pytest_gradref.resolution import Setup
+    from pytest_gradref.settings import DeviceRequest, Settings
 
 
 @dataclass
 class GradrefState:
-    """Per-session state: the registry, the parsed settings and, once needed, the setup."""
+    """Per-session state: the registry, the settings and, once needed, the setup."""
 
     registry: BackendRegistry
+    # Every gradref setting, read and validated once at configure time.
+    settings: Settings
+    # The device this process runs on: the device setting, or on an xdist worker the device
+    # its controller assigned.
     device_request: DeviceRequest
-    strategy: StrategyChoice | None
-    strategy_source: str
-    # The base seed; None where seeding is off (--gradref-seed=off): the suite seeds its tests.
-    seed: int | None
-    # golden or tolerance (--gradref-verdict): how a test without a tolerance is judged.
-    verdict: str = "golden"
-    # Device types this process simulates (--gradref-simulate), installed before any probe.
-    simulated: frozenset[str] = frozenset()
-    # Where the seed setting came from, for the header.
-    seed_source: str = "the default"
     resolved: Setup | None = None
     reported: bool = False
 
     def setup(self) -> Setup:
         """The resolved device and strategy; probes the backends (imports torch) once."""
         if self.resolved is None:
-            from pytest_gradref.settings import resolve
-
-            self.resolved = resolve(
-                self.device_request,
-                self.strategy,
-                self.strategy_source,
-                self.registry,
-                self.simulated,
-            )
+            self.resolved = resolve(self.device_request, self.settings, self.registry)
         return self.resolved
 
 

@@ -5,7 +5,8 @@ made visible, or every worker on an explicitly pinned index) and hands it over t
 ``workerinput``, so a worker knows its device before any test touches one. Each worker reports
 back what it ran on, and the controller's summary shows the mapping.
 
-This module is loaded only when pytest-xdist is installed; its hooks exist only there.
+Its hooks are registered only where pytest-xdist is installed; the module itself imports
+neither xdist nor torch.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_gradref.settings import DeviceRequest, Setting, Setup, parse_device
+from pytest_gradref.settings import DeviceRequest, Setting, parse_device
 
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
+    from pytest_gradref.resolution import Setup
     from pytest_gradref.state import GradrefState
 
 WORKER_DEVICE_KEY = "gradref_device"
@@ -66,7 +68,7 @@ class XdistHooks:
     @pytest.hookimpl
     def pytest_configure_node(self, node: Any) -> None:
         setup = self.state.setup()
-        pinned = self.state.device_request.index
+        pinned = self.state.settings.device.index
         mapping = assign_devices(
             setup.backend.name,
             setup.backend.device_count(),

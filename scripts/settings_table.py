@@ -2,9 +2,9 @@
 
 The plugin's ``pytest_addoption`` is called with a parser that records what it registers, so
 every option and ini key the plugin declares is listed, a new one included, with the help text
-``--help`` shows; ``pytest_gradref.settings`` names the environment variable of each setting
-that reads one (``OptionSpec.env``). Blocks between ``<!-- settings-table: FORMAT -->`` and
-``<!-- /settings-table -->`` are written:
+``--help`` shows; ``pytest_gradref.settings.OPTIONS`` names the environment variable and the
+ini key of each setting that reads them (``OptionSpec.env``, ``OptionSpec.ini``). Blocks
+between ``<!-- settings-table: FORMAT -->`` and ``<!-- /settings-table -->`` are written:
 
 - ``full`` (docs/settings.md): option, environment variable, ini key, value, default, help;
 - ``compact`` (README.md): option, environment variable, ini key, default;
@@ -119,8 +119,7 @@ def declared_settings() -> list[Setting]:
 
     parser = RecordingParser()
     plugin.pytest_addoption(parser)  # type: ignore[arg-type]
-    specs = [value for value in vars(settings).values() if _is_spec(value)]
-    by_flag = {spec.flag: spec for spec in specs}
+    by_flag = {spec.flag: spec for spec in settings.OPTIONS}
     rows: list[Setting] = []
     ini_rows: dict[str, Setting] = {}
     for flags, kwargs in parser.options:
@@ -128,8 +127,8 @@ def declared_settings() -> list[Setting]:
         spec = by_flag.get(flag)
         row = Setting(flag=flag, help=str(kwargs.get("help", "")), kwargs=kwargs, spec=spec)
         if spec is not None:
-            row.env = getattr(spec, "env", None)
-            row.ini = getattr(spec, "ini", None)
+            row.env = spec.env
+            row.ini = spec.ini
             if row.ini:
                 ini_rows[row.ini] = row
         rows.append(row)
@@ -138,10 +137,6 @@ def declared_settings() -> list[Setting]:
             continue
         rows.append(Setting(ini=name, help=help_text, kwargs=kwargs))
     return rows
-
-
-def _is_spec(value: object) -> bool:
-    return all(hasattr(value, attribute) for attribute in ("flag", "env", "ini", "help"))
 
 
 def _cell(text: str | None, code: bool = True) -> str:

@@ -18,3 +18,28 @@ class Square(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         return 2 * x * grad
 """
+
+
+# A fixture that counts the calls reading a tensor's values to the host, each a sync on an
+# accelerator: the cost guards of assert_close and the crosscheck count them.
+HOST_READS_FIXTURE = """
+import pytest
+import torch
+
+READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    \"\"\"Counts the calls that read a tensor's values to the host (a sync on an accelerator).\"\"\"
+    count = [0]
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(*args, _original=original, **kwargs):
+            count[0] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return count
+"""

@@ -8,15 +8,11 @@ import re
 
 import pytest
 import torch
+from _pytester_sources import HOST_READS_FIXTURE
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_gradref.compare import (
-    BudgetItem,
-    ResolvedTolerance,
-    Tolerance,
-    ToleranceItem,
-    check_items,
-)
+from pytest_gradref.compare import BudgetItem, ToleranceItem, check_items
+from pytest_gradref.tolerances import ResolvedTolerance, Tolerance
 
 FAILURES = """
 import pytest
@@ -327,27 +323,9 @@ def test_line_up(grad_reference):
     pytester.runpytest("--gradref-device=cpu").assert_outcomes(passed=1)
 
 
-HOST_READS = """
-import pytest
-import torch
-
-READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
-
-
-@pytest.fixture
-def host_reads(monkeypatch):
-    \"\"\"Counts the calls that read a tensor's values to the host (a sync on an accelerator).\"\"\"
-    count = [0]
-    for name in READS:
-        original = getattr(torch.Tensor, name)
-
-        def counted(*args, _original=original, **kwargs):
-            count[0] += 1
-            return _original(*args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    return count
-
+HOST_READS = (
+    HOST_READS_FIXTURE
+    + """
 
 def loss(x, w):
     return torch.log_softmax(x @ w.T, dim=-1).square().sum()
@@ -405,6 +383,7 @@ def test_the_counter_counts(host_reads):
     assert bool(t.sum()) and float(t[0]) == 1.0 and t.tolist() == [1.0, 1.0, 1.0]
     assert host_reads[0] == 3
 """
+)
 
 
 def test_a_passing_assert_close_reads_the_host_once(pytester: pytest.Pytester) -> None:

@@ -307,3 +307,47 @@ def test_auto(grad_reference, gradref_backend):
     result.stdout.fnmatch_lines(
         ["gradref: device=cpu (*)*| cuda unavailable: *; npu unavailable: *"]
     )
+
+
+def test_every_setting_is_read_once_into_one_object_with_its_source(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Configure reads and validates every gradref setting into the session's Settings; the
+    # hooks, the fixtures and the plugin objects read it from there.
+    from pytest_gradref.settings import (
+        BASELINE_OPTION,
+        OPTIONS,
+        RANK_TIMEOUT_OPTION,
+        SEED_OPTION,
+        STRATEGY_OPTION,
+        VERDICT_OPTION,
+    )
+    from pytest_gradref.state import state_key
+
+    pytester.makeini(
+        "[pytest]\ngradref_verdict = tolerance\ngradref_baseline_refresh = make baseline\n"
+    )
+    monkeypatch.setenv("GRADREF_RANK_TIMEOUT", "12.5")
+    config = pytester.parseconfigure("--gradref-seed=off", "--gradref-strategy=crosscheck")
+    settings = config.stash[state_key].settings
+    assert set(settings.sources) == {spec.dest for spec in OPTIONS}
+    assert (settings.seed, settings.source(SEED_OPTION)) == (None, "the --gradref-seed option")
+    assert settings.strategy == "crosscheck"
+    assert settings.source(STRATEGY_OPTION) == "the --gradref-strategy option"
+    assert (settings.verdict, settings.source(VERDICT_OPTION)) == (
+        "tolerance",
+        "the gradref_verdict ini key in tox.ini",
+    )
+    assert (settings.rank_timeout, settings.source(RANK_TIMEOUT_OPTION)) == (
+        12.5,
+        "the GRADREF_RANK_TIMEOUT environment variable",
+    )
+    assert (settings.device.backend, settings.device.index) == (None, None)  # auto
+    assert (settings.baseline, settings.source(BASELINE_OPTION)) == (None, "the default")
+    assert settings.baseline_threshold == 2.0
+    assert settings.baseline_refresh == "make baseline"
+    assert (settings.simulate, settings.simulate_numerics, settings.strict_device) == (
+        None,
+        "cpu",
+        False,
+    )

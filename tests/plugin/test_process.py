@@ -3,9 +3,12 @@ pytest-xdist (``-n 2``), markers and strategies included."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,15 +37,90 @@ print(json.dumps(sorted(set(sys.modules) - before)))
 """
 
 
-def test_importing_the_plugin_loads_only_the_hooks() -> None:
+# The configure-time layer: what importing the plugin may load. None of these imports torch at
+# load (docs/contributing.md's module table says so of each); they import one another at the
+# top. The torch layer (torch itself, the reference and comparison code, the simulated device)
+# is imported inside the functions that cross into it, once a test needs it.
+CONFIGURE_LAYER = {
+    f"pytest_gradref{suffix}"
+    for suffix in (
+        "",
+        ".backends",
+        ".device_coverage",
+        ".diff",
+        ".hookspecs",
+        ".inputs",
+        ".markers",
+        ".numbers",
+        ".plugin",
+        ".ranks",
+        ".report",
+        ".resolution",
+        ".settings",
+        ".state",
+        ".strategies",
+        ".tolerances",
+        ".warning_types",
+        ".xdist",
+    )
+}
+
+# Torch-free too, but loaded on demand, where their feature is used: the baseline gate (and
+# the comparison output it prints) in a gated run, the rank processes in a multi-rank test.
+ON_DEMAND = {
+    f"pytest_gradref.{name}"
+    for name in ("baseline", "diff_output", "rank_processes", "rank_worker")
+}
+
+
+def test_importing_the_plugin_loads_only_torch_free_modules() -> None:
     # What pytest does when it loads the plugin, in a fresh interpreter: import the entry
-    # point after pytest. Everything else (settings, backends, markers, the reference and
-    # comparison code, the report, torch) loads when a hook or fixture first needs it.
+    # point after pytest. The configure-time layer loads with it; the reference and comparison
+    # code, the simulated device and torch load when a hook or fixture first needs them.
     done = subprocess.run(
         [sys.executable, "-c", IMPORT_PLUGIN], capture_output=True, text=True, check=True
     )
     loaded = set(json.loads(done.stdout))
-    assert loaded == {"pytest_gradref", "pytest_gradref.hookspecs", "pytest_gradref.plugin"}
+    assert "torch" not in loaded
+    assert {m for m in loaded if m.startswith("pytest_gradref")} <= CONFIGURE_LAYER
+    assert not loaded & ON_DEMAND
+
+
+def _function_level_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """The package modules a module imports inside its functions, with the line."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Import):
+                yield from ((alias.name, inner.lineno) for alias in inner.names)
+            elif isinstance(inner, ast.ImportFrom) and inner.module:
+                yield inner.module, inner.lineno
+                for alias in inner.names:  # from pytest_gradref import simulated
+                    yield f"{inner.module}.{alias.name}", inner.lineno
+
+
+def test_the_configure_layer_imports_itself_at_the_top() -> None:
+    # Only a crossing into the torch layer waits inside a function: a module of the
+    # configure-time layer that another imports lazily is an import cost hidden, not saved.
+    # The on-demand modules are imported inside the function that starts their feature.
+    package = Path(pytest_gradref.__file__).parent
+    lazy = [
+        f"{name}:{line} imports {target} inside a function"
+        for name in sorted(CONFIGURE_LAYER - {"pytest_gradref"})
+        for target, line in _function_level_imports(package / f"{name.split('.')[1]}.py")
+        if target in CONFIGURE_LAYER - {"pytest_gradref"}
+    ]
+    assert not lazy
+
+
+def test_the_tolerance_tables_load_without_torch() -> None:
+    # The markers parse a test's tolerances at collection, and a conftest builds a backend's
+    # table from pytest_gradref.Tolerance before any test runs: tolerances.py loads no torch
+    # (dtypes.py, the precision of dtypes, and the comparison do).
+    code = "import sys, pytest_gradref.tolerances; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_public_names_load_on_first_access() -> None:
@@ -72,7 +150,7 @@ def test_plugin_loads_without_importing_torch(
     loaded = json.loads((pytester.path / "loaded.json").read_text())
     assert "torch" not in loaded
     # A session without gradient tests never loads the reference and comparison code.
-    for module in ("fixture", "computation", "reference", "recording", "compare"):
+    for module in ("fixture", "computation", "reference", "recording", "compare", "dtypes"):
         assert f"pytest_gradref.{module}" not in loaded, module
 
 

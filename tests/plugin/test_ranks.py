@@ -14,7 +14,8 @@ import torch
 from pytest_gradref.backends import builtin_backend
 from pytest_gradref.markers import MarkerError
 from pytest_gradref.ranks import owned_devices, parse_ranks_mark, rank_devices
-from pytest_gradref.settings import Setting, Setup, parse_rank_timeout
+from pytest_gradref.resolution import Setup
+from pytest_gradref.settings import Setting, parse_rank_timeout
 
 # --- where ranks run ----------------------------------------------------------------------------
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pytest_gradref.fixture import GradReference
-from pytest_gradref.policy import CheckPolicy
 from pytest_gradref.recording import Recording
 from pytest_gradref.sharding import Cut, RankGradReference
+from pytest_gradref.tolerances import CheckPolicy
 
 
 def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -25,7 +25,8 @@ def _rank(rank: int, world_size: int = 2) -> RankGradReference:
     base = GradReference(
         strategy="autograd",
         default_strategy="autograd",
-        policy=CheckPolicy(backend="cpu", recording=Recording()),
+        policy=CheckPolicy(backend="cpu"),
+        recording=Recording(),
         default_golden=torch.float64,
     )
     return RankGradReference.for_rank(base, rank, world_size)
@@ -73,7 +74,7 @@ def test_each_rank_compares_its_slice_of_the_full_reference() -> None:
         assert ref.grads[1].shape == (6, 8)  # the reference is the full one
         assert ref.local.grads[1].shape == (3, 8)
         ref.assert_close(total, (gx, w_grads[rank]))
-        labels = [check.label for check in ref.policy.recording.checks]  # type: ignore[union-attr]
+        labels = [check.label for check in ref.recording.checks]  # type: ignore[union-attr]
         start, end = 3 * rank, 3 * rank + 3
         assert labels == [
             "value",

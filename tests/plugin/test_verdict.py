@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pytest_gradref import Reference, compute_reference
-from pytest_gradref.compare import DEFAULT_BUDGET, BudgetItem, check_items
-from pytest_gradref.policy import CheckPolicy
+from pytest_gradref.compare import BudgetItem, check_items
+from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
 
 VERDICTS = ("golden", "tolerance")
 F32_EPS = torch.finfo(torch.float32).eps
