@@ -24,13 +24,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
+
+import torch
 
 from pytest_gradref.fixture import GradReference
 from pytest_gradref.reference import Reference
-
-if TYPE_CHECKING:
-    import torch
 
 # Which gradients are sharded: an argument by position (as in argnums) or name, or a module's
 # parameter by name, mapped to a dimension, None (replicated), or a DTensor placement
@@ -237,8 +236,6 @@ class ShardedReference(Reference):
         against the slice its placement names, or, with ``gather=True``, the whole gathered
         DTensor against the whole reference. Everything else is compared whole."""
         __tracebackhide__ = True
-        import torch
-
         arg_cuts = list(self.cuts.args) + [None] * (len(self.grad_labels) - len(self.cuts.args))
         grads = actual_grads
         if actual_grads is not None:
@@ -274,8 +271,6 @@ class ShardedReference(Reference):
         """A ValueError where a whole-compared gradient has exactly this rank's shard shape:
         the test most likely left out its shards= entry."""
         __tracebackhide__ = True
-        import torch
-
         if grads is None:
             return
         given = [grads] if isinstance(grads, torch.Tensor) else list(grads)
