@@ -197,3 +197,42 @@ def test_a_rerun_test_is_recorded_by_its_last_run(
     (record,) = json.loads((pytester.path / "r.json").read_text())["tests"]
     assert record["outcome"] == "passed"
     assert [i["passed"] for i in record["items"]] == [True, True]
+
+
+COVERED = """
+import torch
+
+
+def test_value_and_gradient(grad_reference):
+    x = torch.linspace(-1.0, 1.0, 5)
+    ref = grad_reference(lambda t: t.tanh().sum(), x)
+    ref.assert_close(x.tanh().sum(), 1 - x.tanh().square())
+
+
+def test_a_second_reference(grad_reference):
+    x = torch.ones(4)
+    ref = grad_reference(lambda t: t.square().sum(), x)
+    ref.assert_close(torch.tensor(4.0), 2 * x)
+"""
+
+
+def test_under_coverage_and_xdist_workers(pytester: pytest.Pytester) -> None:
+    # pytest-cov measures the plugin's own code in each xdist worker while gradref runs its
+    # hooks there and writes a report: the combination a CI job with --cov runs.
+    pytest.importorskip("pytest_cov")
+    pytester.makepyfile(test_covered=COVERED)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "xdist",
+        "-n",
+        "2",
+        "--gradref-device=cpu",
+        "--gradref-report=r.json",
+        "--cov=pytest_gradref",
+        "--cov-report=term",
+        timeout=300,
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*coverage: *", "*pytest_gradref*plugin.py*", "TOTAL*"])
+    tests = json.loads((pytester.path / "r.json").read_text())["tests"]
+    assert sorted(t["outcome"] for t in tests) == ["passed", "passed"]
