@@ -177,12 +177,9 @@ def fused_linear_jsd(
     return outputs if return_soft_hard_loss else outputs[0]
 
 
-class FusedLinearJSDLoss(torch.nn.Module):
-    """Module form of :func:`fused_linear_jsd` (drop-in for ``LigerFusedLinearJSDLoss``).
-
-    The options are fixed at construction (and checked there); ``forward`` takes the tensors.
-    See :func:`fused_linear_jsd` for the meaning of every argument.
-    """
+class LossOptionsModule(torch.nn.Module):
+    """The options of a fused JSD loss module, fixed at construction and checked there; the
+    subclasses' ``forward`` passes them with the tensors to their function."""
 
     def __init__(
         self,
@@ -208,6 +205,22 @@ class FusedLinearJSDLoss(torch.nn.Module):
         self.chunk_size = chunk_size
         self.return_soft_hard_loss = return_soft_hard_loss
         self.implementation = implementation
+
+    def extra_repr(self) -> str:
+        return (
+            f"weight_hard_loss={self.weight_hard_loss}, weight_soft_loss={self.weight_soft_loss}, "
+            f"beta={self.beta}, ignore_index={self.ignore_index}, "
+            f"temperature={self.temperature}, chunk_size={self.chunk_size}, "
+            f"implementation={self.implementation!r}"
+        )
+
+
+class FusedLinearJSDLoss(LossOptionsModule):
+    """Module form of :func:`fused_linear_jsd` (drop-in for ``LigerFusedLinearJSDLoss``).
+
+    The options are fixed at construction (and checked there); ``forward`` takes the tensors.
+    See :func:`fused_linear_jsd` for the meaning of every argument.
+    """
 
     def forward(
         self,
@@ -237,12 +250,4 @@ class FusedLinearJSDLoss(torch.nn.Module):
             self.chunk_size,
             self.return_soft_hard_loss,
             implementation=self.implementation,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"weight_hard_loss={self.weight_hard_loss}, weight_soft_loss={self.weight_soft_loss}, "
-            f"beta={self.beta}, ignore_index={self.ignore_index}, "
-            f"temperature={self.temperature}, chunk_size={self.chunk_size}, "
-            f"implementation={self.implementation!r}"
         )

@@ -79,6 +79,7 @@ from ._matmuls import accumulate_product_, compute_logits, dense, mixed_matmul
 from ._ops import scaled_cast_op
 from ._options import LossOptions
 from ._validation import check_label_range, check_options, check_tensors
+from .fused_linear_jsd import LossOptionsModule
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -726,7 +727,7 @@ def _rank_phrase() -> str:
     return ""
 
 
-class VocabParallelFusedLinearJSDLoss(torch.nn.Module):
+class VocabParallelFusedLinearJSDLoss(LossOptionsModule):
     """Module form of :func:`vocab_parallel_fused_linear_jsd`: the options, ``group``
     included, fixed at construction (and checked there); ``forward`` takes the tensors."""
 
@@ -744,18 +745,18 @@ class VocabParallelFusedLinearJSDLoss(torch.nn.Module):
         group: Optional["ProcessGroup"] = None,
         implementation: str = "auto",
     ) -> None:
-        super().__init__()
-        check_options(beta, temperature, ignore_index, chunk_size, implementation)
-        self.weight_hard_loss = weight_hard_loss
-        self.weight_soft_loss = weight_soft_loss
-        self.beta = beta
-        self.ignore_index = ignore_index
-        self.temperature = temperature
-        self.compiled = compiled
-        self.chunk_size = chunk_size
-        self.return_soft_hard_loss = return_soft_hard_loss
+        super().__init__(
+            weight_hard_loss,
+            weight_soft_loss,
+            beta,
+            ignore_index,
+            temperature,
+            compiled,
+            chunk_size,
+            return_soft_hard_loss,
+            implementation=implementation,
+        )
         self.group = group
-        self.implementation = implementation
 
     def forward(
         self,
@@ -787,12 +788,4 @@ class VocabParallelFusedLinearJSDLoss(torch.nn.Module):
             self.return_soft_hard_loss,
             group=self.group,
             implementation=self.implementation,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"weight_hard_loss={self.weight_hard_loss}, weight_soft_loss={self.weight_soft_loss}, "
-            f"beta={self.beta}, ignore_index={self.ignore_index}, "
-            f"temperature={self.temperature}, chunk_size={self.chunk_size}, "
-            f"implementation={self.implementation!r}"
         )
