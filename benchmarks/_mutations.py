@@ -282,6 +282,29 @@ def grad_weight_scale_1pct(monkeypatch: pytest.MonkeyPatch) -> None:
     _wrap(monkeypatch, _forward, "chunked_forward", make)
 
 
+def soft_sum_vocabulary_slice_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soft loss's value-only row sum ``sum(T d)`` in ``_chunk_torch._slice_`` taken over
+    all but the last sixteenth of the vocabulary: a masked tail block of a reduction that
+    only a reported value sees (an aux sum, a metric), with every gradient left exact. Such a
+    sum cancels (T d is small where S ~ T), so its error is judged against its terms' spread,
+    not its value's."""
+    import torch
+    from gradref_kernels import _chunk_torch
+
+    def nansum_but_a_slice(input: Any, dim: int, *, out: Any) -> Any:
+        _hit()
+        kept = input.shape[dim] - input.shape[dim] // 16
+        return torch.nansum(input.narrow(dim, 0, kept), dim, out=out)
+
+    _rewrite(
+        monkeypatch,
+        _chunk_torch,
+        "_slice_",
+        [("torch.nansum(", "_mutation_nansum_but_a_slice(", 2)],
+        {"_mutation_nansum_but_a_slice": nansum_but_a_slice},
+    )
+
+
 def reorder_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     """CONTROL, not a mistake: every per-row ``torch.sum`` over the vocabulary in
     ``_chunk_torch._slice_`` (sum(S - T), sum(S d), K = sum(S L), sum(S L b)) summed as its
@@ -315,6 +338,7 @@ MUTATIONS: dict[str, tuple[Mutation, bool]] = {
     "grad_input_rounded_twice": (grad_input_rounded_twice, True),
     "unstable_mixture_log": (unstable_mixture_log, True),
     "grad_weight_scale_1pct": (grad_weight_scale_1pct, True),
+    "soft_sum_vocabulary_slice_left_out": (soft_sum_vocabulary_slice_left_out, True),
     "reorder_noop": (reorder_noop, False),
 }
 

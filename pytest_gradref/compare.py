@@ -19,6 +19,7 @@ strategies' results) both hand it their items, and it compares all of them with 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,10 @@ from pytest_gradref.dtypes import epsilon, is_inexact, less_precise
 from pytest_gradref.tolerances import (
     FLOOR_ULPS,
     SPREAD_SIGMAS,
+    SPREAD_VARIATIONS,
+    SYSTEMATIC_FLOOR,
+    SYSTEMATIC_MIN_NUMEL,
+    SYSTEMATIC_SIGMAS,
     ResolvedTolerance,
     Tolerance,
     dtype_name,
@@ -72,6 +77,13 @@ class ItemCheck:
     # How many elements the item has: the gate's rounding statistics of a half-precision
     # item's normwise error depend on it (diff.py's drift band); 0 where unknown.
     numel: int = 0
+    # For a budget of SYSTEMATIC_MIN_NUMEL elements or more: the systematic part of the
+    # actual's error vs the golden, a scale (relative) and a bias (relative to the golden's
+    # mean magnitude); NaN otherwise.
+    scale_error: float = math.nan
+    bias_error: float = math.nan
+    # How many of the rounding spread's runs (spread.py) the verdict consulted (0: none).
+    spread_runs: int = 0
 
 
 # What a failure says of an item whose actual result is None.
@@ -116,6 +128,10 @@ class BudgetItem:
     # matmul's logits), which moves the value by about u / sqrt(3) times the second (u the
     # compute dtype's unit roundoff): the floor is at least SPREAD_SIGMAS times that.
     condition: torch.Tensor | None = None
+    # The item in the rounding spread's randomly rounded runs of the reference (spread.py),
+    # where the verdict asked for them (an item that failed without them): its errors there
+    # are draws of a correct computation's, which the allowance may reach (_budget_check).
+    samples: tuple[torch.Tensor, ...] = ()
 
 
 Item = Union[ToleranceItem, BudgetItem]
@@ -230,18 +246,28 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     """As a float64 tensor where the golden is: the actual's greatest error vs the golden,
     its greatest relative error, the item's scale (the golden's greatest finite magnitude, or
     the value's first-order terms where larger), the norms of the actual's error and of the
-    golden, then the greatest error and the norm of the error of the reference and, where
-    there is one, of the rounded reference. None for an item the batched pass leaves out. NaN
-    anywhere makes an error NaN (a NaN golden makes all NaN), which fails the item; which side
-    held it is looked up for the failure message only."""
+    golden, the value's first-order spread, the golden's mean magnitude; then for the
+    reference, the rounded reference where there is one, and each of the spread's runs, the
+    greatest error and its norm. An item with a systematic criterion (``systematic``) adds
+    the sums a least-squares fit of each error by the golden needs (``LeastSquares``): the
+    golden's sum, and per side (the reference's aside, which counts only in a failure's
+    message) the error's sum and its product with the golden. None for an item the batched
+    pass leaves out. NaN anywhere makes an error NaN (a NaN golden makes all NaN), which fails
+    the item; which side held it is looked up for the failure message only."""
     actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
     assert actual is not None
     references = (reference,) if rounded is None else (reference, rounded)
-    if not _batchable(actual, *references, golden, on=golden.device):
+    others = (*references, *item.samples)
+    if not _batchable(actual, *others, golden, on=golden.device):
         return None
+    fitted = systematic(item)
     if golden.numel() == 0:
-        return torch.zeros(6 + 2 * len(references), dtype=torch.float64, device=golden.device)
-    own, golden_magnitude = difference(actual, golden)
+        width = len(_layout(item, fitted))
+        return torch.zeros(width, dtype=torch.float64, device=golden.device)
+    g = golden.detach().to(torch.float64)
+    own_signed = _signed(actual, g)
+    own = own_signed.abs()
+    golden_magnitude = g.abs()
     own_rel = torch.where(own == 0, 0.0, own / golden_magnitude).max()
     finite = _finite(golden_magnitude)
     scale = finite.max()
@@ -249,11 +275,109 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     if item.condition is not None:
         condition = item.condition.to(scale)
         scale, spread = torch.maximum(scale, condition[0]), condition[1]
-    numbers = [own.max(), own_rel, scale, own.norm(), finite.norm(), spread]
-    for other in references:
-        error, _ = difference(other, golden)
-        numbers += [error.max(), error.norm()]
+    numbers = [own.max(), own_rel, scale, own.norm(), finite.norm(), spread, finite.mean()]
+    g_finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) if fitted else g
+    if fitted:
+        numbers += [g_finite.sum(), *_fit_sums(own_signed, g_finite)]
+    for position, other in enumerate(others):
+        signed = _signed(other, g)
+        numbers += [signed.abs().max(), signed.norm()]
+        if fitted and position > 0:  # the rounded reference and the runs
+            numbers += _fit_sums(signed, g_finite)
     return torch.stack(numbers)
+
+
+def _signed(actual: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+    """actual - golden in float64 where the golden is, 0 where the two are equal (infinities
+    of one sign too, as torch.testing has them), NaN where either is NaN."""
+    a = actual.detach().to(device=golden.device, dtype=torch.float64)
+    return torch.where(a == golden, 0.0, a - golden)
+
+
+def _fit_sums(signed: torch.Tensor, golden: torch.Tensor) -> list[torch.Tensor]:
+    """The error's sum and its product with the golden, non-finite elements left out."""
+    error = signed.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return [error.sum(), (error * golden).sum()]
+
+
+def systematic(item: BudgetItem) -> bool:
+    """Whether the systematic criteria judge the item: a real item of at least
+    SYSTEMATIC_MIN_NUMEL elements (fewer cannot tell a scale from rounding)."""
+    actual = item.actual
+    return (
+        actual is not None
+        and actual.numel() >= SYSTEMATIC_MIN_NUMEL
+        and not actual.is_complex()
+        and not item.golden.is_complex()
+    )
+
+
+def _layout(item: BudgetItem, fitted: bool) -> list[str]:
+    """The names of _budget_stats' numbers, in order (see there)."""
+    names = ["max", "rel", "scale", "norm", "golden_norm", "spread", "mean_magnitude"]
+    if fitted:
+        names += ["sum_g", "sum_e", "sum_eg"]
+    sides = 1 + (item.rounded is not None) + len(item.samples)
+    for position in range(sides):
+        names += [f"{position}.max", f"{position}.norm"]
+        if fitted and position > 0:
+            names += [f"{position}.sum_e", f"{position}.sum_eg"]
+    return names
+
+
+@dataclass(frozen=True)
+class LeastSquares:
+    """The least-squares fit of an error ``e`` by ``scale * golden + bias``, from sums: the
+    part of an error that is correlated with the result (a scale) or the same everywhere (a
+    bias), which rounding is not. ``n`` elements, the golden's sum and sum of squares
+    (non-finite elements count as zeros). With the golden (nearly) constant the two cannot be
+    told apart, and the fit is a scale alone. The standard errors are the fit's own, from what
+    it leaves (the residual) as if every element erred independently and alike; elements that
+    err together are what the rounding spread's runs are for (spread.py)."""
+
+    n: float
+    sum_g: float
+    sum_gg: float
+
+    @property
+    def _det(self) -> float:
+        return self.n * self.sum_gg - self.sum_g * self.sum_g
+
+    @property
+    def separable(self) -> bool:
+        return self._det > 1e-9 * self.n * self.sum_gg
+
+    def fit(self, sum_e: float, sum_eg: float, sum_ee: float) -> SideFit:
+        if self.separable:
+            scale = (self.n * sum_eg - self.sum_g * sum_e) / self._det
+            bias = (self.sum_gg * sum_e - self.sum_g * sum_eg) / self._det
+        else:
+            scale = sum_eg / self.sum_gg if self.sum_gg > 0 else 0.0
+            bias = 0.0
+        residual = sum_ee - scale * sum_eg - bias * sum_e
+        return SideFit(scale, bias, math.sqrt(max(residual, 0.0)))
+
+    def standard_errors(self, residual_norm: float) -> tuple[float, float]:
+        """The scale's and the bias's."""
+        if self.separable:
+            variance = residual_norm**2 / max(self.n - 2, 1)
+            return math.sqrt(variance * self.n / self._det), math.sqrt(
+                variance * self.sum_gg / self._det
+            )
+        if self.sum_gg <= 0:
+            return 0.0, 0.0
+        variance = residual_norm**2 / max(self.n - 1, 1)
+        return math.sqrt(variance / self.sum_gg), 0.0
+
+
+@dataclass(frozen=True)
+class SideFit:
+    """One side's systematic error: a scale (relative), a bias (in the item's units), and
+    the norm of the rest (its noise)."""
+
+    scale: float
+    bias: float
+    residual: float
 
 
 def _finite(magnitude: torch.Tensor) -> torch.Tensor:
@@ -299,8 +423,44 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
             norm_rel=_ratio(diff_norm, expected_norm),
             scale=scale,
         )
-    own_abs, own_rel, scale, own_norm, golden_norm, spread, *references = values
-    errors = BudgetErrors(own_abs, own_rel, own_norm, golden_norm, scale, spread, *references)
+    fitted = systematic(item)
+    named = dict(zip(_layout(item, fitted), values))
+    design = None
+    if fitted:
+        design = LeastSquares(actual.numel(), named["sum_g"], named["golden_norm"] ** 2)
+
+    def side(position: int) -> SideErrors:
+        prefix = f"{position}."
+        side_max, side_norm = named[prefix + "max"], named[prefix + "norm"]
+        fit = None
+        if design is not None and position > 0:
+            fit = design.fit(named[prefix + "sum_e"], named[prefix + "sum_eg"], side_norm**2)
+        return SideErrors(side_max, side_norm, fit)
+
+    own_fit = None
+    scale_se = bias_se = math.nan
+    if design is not None:
+        own_fit = design.fit(named["sum_e"], named["sum_eg"], named["norm"] ** 2)
+        scale_se, bias_se = design.standard_errors(own_fit.residual)
+    sides = 1 + (item.rounded is not None) + len(item.samples)
+    others = [side(position) for position in range(sides)]
+    rounded_sides = 2 if item.rounded is not None else 1
+    errors = BudgetErrors(
+        named["max"],
+        named["rel"],
+        named["scale"],
+        named["norm"],
+        named["golden_norm"],
+        named["spread"],
+        named["mean_magnitude"],
+        SideErrors(named["max"], named["norm"], own_fit),
+        scale_se,
+        bias_se,
+        others[0],
+        others[1] if rounded_sides == 2 else None,
+        tuple(others[rounded_sides:]),
+        design,
+    )
     return _budget_check(item, errors)
 
 
@@ -312,21 +472,50 @@ def _ratio(error: float, magnitude: float) -> float:
 
 
 @dataclass(frozen=True)
+class SideErrors:
+    """One side's error vs the golden, read to the host: greatest and normwise, and where
+    the item has systematic criteria its least-squares fit (NaN without one)."""
+
+    max: float
+    norm: float
+    fit: SideFit | None = None
+
+    @property
+    def scale(self) -> float:
+        return math.nan if self.fit is None else self.fit.scale
+
+    @property
+    def bias(self) -> float:
+        return math.nan if self.fit is None else self.fit.bias
+
+    @property
+    def residual(self) -> float:
+        return math.nan if self.fit is None else self.fit.residual
+
+
+@dataclass(frozen=True)
 class BudgetErrors:
-    """What a budget judges, read to the host: the actual's greatest and normwise error vs
-    the golden, the golden's norm and the item's scale (see ``_budget_stats``), and the same
-    two errors of the reference and of the rounded reference (None without one)."""
+    """What a budget judges, read to the host: the actual's greatest relative error, the
+    golden's norm, mean magnitude and the item's scale (see ``_budget_stats``), the value's
+    first-order spread; the actual's errors and the standard errors of its systematic part;
+    the reference's, the rounded reference's (None without one) and those of each of the
+    rounding spread's runs (none where it was not asked for)."""
 
     own_max: float
     own_rel: float
+    scale: float
     own_norm: float
     golden_norm: float
-    scale: float
     spread: float  # the 2-norm of a scalar value's first-order terms (0 for other items)
-    reference_max: float
-    reference_norm: float
-    rounded_max: float | None = None
-    rounded_norm: float | None = None
+    mean_magnitude: float
+    own: SideErrors
+    scale_se: float
+    bias_se: float
+    reference: SideErrors
+    rounded: SideErrors | None = None
+    samples: tuple[SideErrors, ...] = ()
+    # The golden's least-squares design, for an item with systematic criteria.
+    design: LeastSquares | None = None
 
 
 def _check_alone(item: Item) -> ItemCheck:
@@ -347,25 +536,54 @@ def _check_alone(item: Item) -> ItemCheck:
             norm_rel=_ratio(stats.norm, stats.magnitude_norm),
             scale=stats.scale,
         )
-    own = _stats(actual, item.golden)
-    ref = _stats(item.reference, item.golden)
+    golden = item.golden
+    own = _stats(actual, golden)
     scale, spread = own.scale, 0.0
     if item.condition is not None:
         scale, spread = max(scale, float(item.condition[0])), float(item.condition[1])
-    rounded = None if item.rounded is None else _stats(item.rounded, item.golden)
+    design = None
+    if systematic(item):
+        g = golden.detach().to(torch.float64).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        design = LeastSquares(actual.numel(), float(g.sum()), own.magnitude_norm**2)
+
+    def side(tensor: torch.Tensor, fitted: bool = True) -> SideErrors:
+        stats = _stats(tensor, golden)
+        if design is None or not fitted:
+            return SideErrors(stats.max_abs, stats.norm)
+        return SideErrors(stats.max_abs, stats.norm, _host_fit(tensor, golden, design))
+
+    own_side = side(actual)
+    scale_se = bias_se = math.nan
+    if own_side.fit is not None and design is not None:
+        scale_se, bias_se = design.standard_errors(own_side.fit.residual)
+    mean_magnitude = float(_finite(golden.detach().abs().to(torch.float64)).mean())
     errors = BudgetErrors(
         own.max_abs,
         own.max_rel,
+        scale,
         own.norm,
         own.magnitude_norm,
-        scale,
         spread,
-        ref.max_abs,
-        ref.norm,
-        None if rounded is None else rounded.max_abs,
-        None if rounded is None else rounded.norm,
+        mean_magnitude,
+        own_side,
+        scale_se,
+        bias_se,
+        side(item.reference, fitted=False),
+        None if item.rounded is None else side(item.rounded),
+        tuple(side(sample) for sample in item.samples),
+        design,
     )
     return _budget_check(item, errors)
+
+
+def _host_fit(tensor: torch.Tensor, golden: torch.Tensor, design: LeastSquares) -> SideFit:
+    """A side's least-squares fit, its sums read to the host one by one (an item outside the
+    batched pass, or a failure's message)."""
+    g = golden.detach().to(torch.float64)
+    signed = _signed(tensor, g)
+    sum_e, sum_eg = _fit_sums(signed, g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
+    error = signed.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return design.fit(float(sum_e), float(sum_eg), float(error.square().sum()))
 
 
 def _full_where_mixed(item: Item) -> Item:
@@ -450,20 +668,89 @@ def _tolerance_check(
     )
 
 
+class Criterion(enum.Enum):
+    """What a budget judges of an item's error vs the golden."""
+
+    GREATEST = "greatest error"
+    NORMWISE = "normwise error"
+    SCALE = "systematic error, a scale"
+    BIAS = "systematic error, a bias"
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One criterion as judged: the actual's error (its magnitude), the basis it counts from
+    (the reference's, or the larger of the two references'), the floor, the extra allowance
+    of a systematic criterion (standard errors), the allowance of the rounding spread where it
+    was asked for (factor x rms of its runs, NaN otherwise), and what is allowed: the larger of
+    ``budget x basis + extra + floor`` and ``spread + floor``."""
+
+    criterion: Criterion
+    error: float
+    basis: float
+    floor: float
+    extra: float = 0.0
+    spread_factor: float = math.nan
+    spread_rms: float = math.nan
+
+    def allowed(self, budget: float) -> float:
+        own = budget * self.basis + self.extra + self.floor
+        if math.isnan(self.spread_rms) or math.isnan(own):
+            return own
+        return max(own, self.spread_factor * self.spread_rms + self.floor)
+
+    def passed(self, budget: float) -> bool:
+        return self.error <= self.allowed(budget)  # False where either is NaN
+
+
+def spread_factor(values: Sequence[float], budget: float) -> tuple[float, float]:
+    """The rounding spread's allowance for a criterion, as (factor, rms) of the magnitudes
+    its runs gave: the error of a correct computation may reach ``factor x rms``. The runs
+    round stochastically, whose error variance is twice round-to-nearest's, so the rms is
+    theirs divided by sqrt(2). The factor is 1 + SPREAD_VARIATIONS coefficients of variation
+    of those magnitudes, at least the budget: a criterion that is nearly the same in every run
+    (the norm of a large gradient's error) gets the budget; one as variable as a single
+    rounding error (a scalar, a sum that cancels, a scale) gets about 7, which a correct
+    scalar exceeds less than once in 1e5 with 16 runs (tests/plugin/test_verdict_noise.py
+    simulates the rate). (NaN, NaN) without finite runs."""
+    finite = [abs(v) for v in values if math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan
+    mean_square = sum(v * v for v in finite) / len(finite)
+    rms = math.sqrt(mean_square)
+    if rms == 0:
+        return budget, 0.0
+    mean = sum(finite) / len(finite)
+    variation = math.sqrt(max(mean_square - mean * mean, 0.0)) / rms
+    return max(budget, 1 + SPREAD_VARIATIONS * variation), rms / math.sqrt(2)
+
+
 def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
-    """Pass when the actual's error vs the golden is at most ``budget`` times the reference's
-    own error plus a floor, both greatest and normwise:
+    """Pass when the actual's error vs the golden is within ``budget`` times the reference's
+    own, plus a floor, by every criterion:
 
-        max|actual - golden| <= budget * max|reference - golden| + floor
-        ||actual - golden||  <= budget * ||reference - golden||  + floor
+        max|actual - golden|      <= budget * max|reference - golden| + floor
+        ||actual - golden||       <= budget * ||reference - golden||  + floor
+        |scale|, |bias| of actual <= budget * the reference's + 6 standard errors + floor
 
-    The greatest error catches a wrong element; the norm catches an error spread thinly over
-    many (a 1% scale error of a bf16 gradient leaves every element within its rounding, but
-    its norm four times the reference's). The floor is FLOOR_ULPS rounding steps of the
-    reference's dtype at the item's scale; in a norm it is the error of one element off by
-    the floor, so a scalar's two criteria are one. With a rounded reference the larger of its
-    errors and the reference's counts, and the criterion names both. NaN on any side fails.
-    The worst element's index and the sides holding NaN are looked up for a failure's message.
+    The greatest error catches a wrong element; the norm an error spread thinly over many;
+    the systematic criteria (``Systematic``: the error's least-squares component along the
+    golden, and its constant part) an error correlated with the result, which the norm cannot
+    tell from rounding where the reference's own rounding is as large (a 1% scale error of a
+    bf16 gradient). They apply to items of SYSTEMATIC_MIN_NUMEL elements or more.
+
+    The floor is FLOOR_ULPS rounding steps of the reference's dtype at the item's scale; in a
+    norm it is the error of one element off by the floor, so a scalar's two criteria are one;
+    a systematic floor is SYSTEMATIC_FLOOR of the dtype's step (relative to the golden's mean
+    magnitude for a bias). With a rounded reference the larger of its errors and the
+    reference's counts, and the criterion names both.
+
+    The reference's error is one draw of rounding noise. Where the item's error exceeds an
+    allowance counted from it, the caller asks for the rounding spread (spread.py) and judges
+    again with ``item.samples``: each criterion's allowance is then at least what the spread's
+    runs allow (``spread_factor``), so a correct computation's draw, however its reference's
+    fell, passes. NaN on any side fails. The worst element's index and the sides holding NaN
+    are looked up for a failure's message.
     """
     actual, reference, golden, budget = item.actual, item.reference, item.golden, item.budget
     assert actual is not None
@@ -501,42 +788,76 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
             "result's own rounding)"
         )
     # The errors the budget counts from, whose they are, and the other reference's (rounded).
-    basis_max, basis_norm = errors.reference_max, errors.reference_norm
+    basis = errors.reference
     basis_name = f"the {dtype_name(reference.dtype)} reference"
     other = ""
-    if errors.rounded_max is not None and errors.rounded_norm is not None:
+    bases = [errors.reference]
+    if errors.rounded is not None:
+        bases.append(errors.rounded)
         rounded_dtype = item.compute_dtype if item.compute_dtype is not None else dtype
         rounded_name = f"the {dtype_name(rounded_dtype)}-rounded reference"
-        rounded_max, rounded_norm = errors.rounded_max, errors.rounded_norm
+        rounded = errors.rounded
         # A NaN error on either side becomes the basis, so the allowance is NaN and fails.
-        if math.isnan(rounded_max) or rounded_max > basis_max:
-            other = f"{basis_name}'s is {basis_max:.3g}"
-            basis_max, basis_norm = rounded_max, max(rounded_norm, basis_norm)
-            basis_name = rounded_name
+        if math.isnan(rounded.max) or rounded.max > basis.max:
+            other = f"{basis_name}'s is {basis.max:.3g}"
+            basis, basis_name = rounded, rounded_name
         else:
-            other = f"{rounded_name}'s is {rounded_max:.3g}"
-            basis_norm = max(rounded_norm, basis_norm)
-    allowed_max = budget * basis_max + floor
-    allowed_norm = budget * basis_norm + floor_norm
-    used = max(_share(errors.own_max, allowed_max), _share(errors.own_norm, allowed_norm))
-    # False where an error is NaN.
-    passed = errors.own_max <= allowed_max and errors.own_norm <= allowed_norm
+            other = f"{rounded_name}'s is {rounded.max:.3g}"
+    judged = [
+        Judged(Criterion.GREATEST, errors.own.max, basis.max, floor),
+        Judged(Criterion.NORMWISE, errors.own.norm, max(b.norm for b in bases), floor_norm),
+    ]
+    fitted = (
+        errors.design is not None
+        and math.isfinite(errors.scale_se)
+        and math.isfinite(errors.bias_se)
+    )
+    # A systematic error is judged by its own noise, not counted from the reference's (one
+    # draw of a scale, which the budget would double): at most SYSTEMATIC_SIGMAS standard
+    # errors plus the floor, one rounding of a shared factor (a bf16 1/N), or what the
+    # rounding spread allows. A rounded reference (rounded=True: the kernel rounds at every
+    # step, as it does) counts: rounding to nearest at every step can be biased.
+    systematic_floor = SYSTEMATIC_FLOOR * steps * epsilon(floor_dtype)
+    if fitted:
+        rounded_side = errors.rounded
+        judged += [
+            Judged(
+                Criterion.SCALE,
+                abs(errors.own.scale),
+                0.0 if rounded_side is None else abs(rounded_side.scale),
+                systematic_floor,
+                SYSTEMATIC_SIGMAS * errors.scale_se,
+            ),
+            Judged(
+                Criterion.BIAS,
+                abs(errors.own.bias),
+                0.0 if rounded_side is None else abs(rounded_side.bias),
+                systematic_floor * errors.mean_magnitude,
+                SYSTEMATIC_SIGMAS * errors.bias_se,
+            ),
+        ]
+    if errors.samples:
+        judged = [_with_spread(j, errors, budget) for j in judged]
+    used = max(_share(j.error, j.allowed(budget)) for j in judged)
+    passed = all(j.passed(budget) for j in judged)
     larger = f", the larger: {other}" if other else ""
     criterion = (
         f"budget {budget:g}x {basis_name}'s error vs the {golden_name} golden, greatest and "
-        f"normwise ({basis_max:.3g} and {basis_norm:.3g}{larger}) + {floor_text} "
-        f"({floor_why})"
+        f"normwise ({basis.max:.3g} and {max(b.norm for b in bases):.3g}{larger}) + "
+        f"{floor_text} ({floor_why})"
     )
+    if fitted:
+        criterion += (
+            f"; systematic error (scale, bias) within {SYSTEMATIC_SIGMAS:g} standard errors + "
+            f"floor {systematic_floor:.3g}"
+        )
+    if errors.samples:
+        criterion += (
+            f"; rounding spread of {len(errors.samples)} randomly rounded runs of the reference"
+        )
     detail = ""
     if not passed:
-        detail = _budget_failure(
-            item,
-            errors,
-            basis_name,
-            other,
-            floor_text,
-            ((basis_max, allowed_max), (basis_norm, allowed_norm)),
-        )
+        detail = _budget_failure(item, errors, judged, basis_name, other, floor_text)
     return ItemCheck(
         item.label,
         dtype_name(dtype),
@@ -546,13 +867,37 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
         1 - used,
         passed,
         detail,
-        errors.rounded_max,
+        errors.rounded.max if errors.rounded is not None else None,
         norm_rel=_ratio(errors.own_norm, errors.golden_norm),
         scale=errors.scale,
-        reference_error=errors.reference_max,
-        reference_norm_rel=_ratio(errors.reference_norm, errors.golden_norm),
+        reference_error=errors.reference.max,
+        reference_norm_rel=_ratio(errors.reference.norm, errors.golden_norm),
         numel=item.actual.numel() if item.actual is not None else 0,
+        scale_error=errors.own.scale if fitted else math.nan,
+        bias_error=_ratio(errors.own.bias, errors.mean_magnitude) if fitted else math.nan,
+        spread_runs=len(errors.samples),
     )
+
+
+def _with_spread(judged: Judged, errors: BudgetErrors, budget: float) -> Judged:
+    """The criterion with the rounding spread's allowance (``spread_factor`` of its runs'
+    values). A systematic criterion's is scaled by the actual's noise against the runs' (the
+    norms of what the fit leaves, at most 1): rounding that leaves little noise leaves a
+    proportionately small scale, so a kernel that rounds once is not let off by the spread of
+    one that rounds at every step."""
+    samples = errors.samples
+    field_name = {
+        Criterion.GREATEST: "max",
+        Criterion.NORMWISE: "norm",
+        Criterion.SCALE: "scale",
+        Criterion.BIAS: "bias",
+    }[judged.criterion]
+    factor, rms = spread_factor([getattr(s, field_name) for s in samples], budget)
+    if judged.criterion in (Criterion.SCALE, Criterion.BIAS):
+        _, noise = spread_factor([s.residual for s in samples], budget)
+        if noise > 0 and math.isfinite(errors.own.residual):
+            rms *= min(1.0, errors.own.residual / noise)
+    return replace(judged, spread_factor=factor, spread_rms=rms)
 
 
 def _share(error: float, allowed: float) -> float:
@@ -565,40 +910,78 @@ def _share(error: float, allowed: float) -> float:
 def _budget_failure(
     item: BudgetItem,
     errors: BudgetErrors,
+    judged: Sequence[Judged],
     basis_name: str,
     other: str,
     floor_text: str,
-    bases: tuple[tuple[float, float], tuple[float, float]],
 ) -> str:
     """A failed budget's message: each criterion that failed, with the errors, their ratio and
-    what was allowed; the sides that hold NaN; an all-zero reference of a nonzero golden."""
+    what was allowed (and what the rounding spread allowed, where it was asked for); the
+    sides that hold NaN; an all-zero reference of a nonzero golden."""
     actual, golden, budget = item.actual, item.golden, item.budget
     assert actual is not None
     golden_name = dtype_name(golden.dtype)
-    (basis_max, allowed_max), (basis_norm, allowed_norm) = bases
     also = f" ({other})" if other else ""
     lines = []
-    if not errors.own_max <= allowed_max:
-        lines.append(
-            f"greatest error vs the {golden_name} golden: {errors.own_max:.3g} at index "
-            f"{_worst_index(actual, golden)} (greatest relative {errors.own_rel:.3g}), "
-            f"{_times(errors.own_max, basis_max)} {basis_name}'s own {basis_max:.3g}{also}; "
-            f"allowed: budget {budget:g} x {basis_max:.3g} + {floor_text} = {allowed_max:.3g}"
-        )
-    if not errors.own_norm <= allowed_norm:
-        relative = _ratio(errors.own_norm, errors.golden_norm)
-        lines.append(
-            f"normwise error vs the {golden_name} golden: {errors.own_norm:.3g} (relative "
-            f"{relative:.3g}), {_times(errors.own_norm, basis_norm)} {basis_name}'s own "
-            f"{basis_norm:.3g}; allowed: budget {budget:g} x {basis_norm:.3g} + floor "
-            f"= {allowed_norm:.3g}"
-        )
+    reference_fit = None
+    if errors.design is not None:
+        reference_fit = _host_fit(item.reference, golden, errors.design)
+    for j in judged:
+        if j.passed(budget):
+            continue
+        allowed = j.allowed(budget)
+        own = f"{_times(j.error, j.basis)} {basis_name}'s own {j.basis:.3g}"
+        if j.criterion is Criterion.GREATEST:
+            line = (
+                f"greatest error vs the {golden_name} golden: {j.error:.3g} at index "
+                f"{_worst_index(actual, golden)} (greatest relative {errors.own_rel:.3g}), "
+                f"{own}{also}; allowed: budget {budget:g} x {j.basis:.3g} + {floor_text}"
+            )
+        elif j.criterion is Criterion.NORMWISE:
+            relative = _ratio(j.error, errors.golden_norm)
+            line = (
+                f"normwise error vs the {golden_name} golden: {j.error:.3g} (relative "
+                f"{relative:.3g}), {own}; allowed: budget {budget:g} x {j.basis:.3g} + floor"
+            )
+        else:
+            if j.criterion is Criterion.SCALE:
+                what = (
+                    f"a scale of {errors.own.scale:+.3g} (the error's least-squares component "
+                    f"along the golden; the reference's own: {_fitted(reference_fit, 'scale')})"
+                )
+            else:
+                what = (
+                    f"a bias of {errors.own.bias:+.3g}, "
+                    f"{_ratio(errors.own.bias, errors.mean_magnitude):+.3g} of the golden's "
+                    f"mean magnitude {errors.mean_magnitude:.3g} (the reference's own: "
+                    f"{_fitted(reference_fit, 'bias')})"
+                )
+            standard_error = j.extra / SYSTEMATIC_SIGMAS
+            line = (
+                f"systematic error vs the {golden_name} golden: {what}, "
+                f"{_times(j.error, standard_error)} its standard error {standard_error:.2g} "
+                f"(from the rest of the error); allowed: "
+                + (f"budget {budget:g} x {basis_name}'s {j.basis:.3g} + " if j.basis else "")
+                + f"{SYSTEMATIC_SIGMAS:g} standard errors + floor {j.floor:.3g}"
+            )
+        line += f" = {allowed:.3g}"
+        if not math.isnan(j.spread_rms):
+            line += (
+                f"; the rounding spread ({len(errors.samples)} randomly rounded runs of the "
+                f"reference) allows "
+                f"{j.spread_factor:.3g} x their rms {j.spread_rms:.3g} + floor"
+            )
+        lines.append(line)
     sides = [("actual result", actual), ("reference", item.reference), ("golden", golden)]
     if item.rounded is not None:
         sides.append(("rounded reference", item.rounded))
     nan_sides = [side for side, t in sides if bool(t.detach().isnan().any())]
     text = "\n".join(lines) + "".join(f" (the {side} has NaN)" for side in nan_sides)
     return text + _all_zero_hint(item.reference, actual)
+
+
+def _fitted(fit: SideFit | None, name: str) -> str:
+    return "-" if fit is None else f"{getattr(fit, name):+.3g}"
 
 
 def _times(error: float, basis: float) -> str:

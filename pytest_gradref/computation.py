@@ -27,12 +27,14 @@ from pytest_gradref.golden import (
     Golden,
     check_golden_dtype,
     check_golden_obtained,
+    compute_golden,
     golden_problem,
     obtained_dtype,
     value_condition,
 )
 from pytest_gradref.recording import Disagreement, Recording
 from pytest_gradref.reference import Reference
+from pytest_gradref.spread import Spread
 from pytest_gradref.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
 from pytest_gradref.tolerances import CheckPolicy, dtype_name
 
@@ -127,14 +129,9 @@ def compute_reference(
     golden_result = None
     if golden is not None:
         upcast = golden_problem(problem, golden, golden_device)
-        computed = STRATEGY_FUNCTIONS[primary](upcast)
+        computed, upcast = compute_golden(STRATEGY_FUNCTIONS[primary], upcast, golden)
         obtained = obtained_dtype(computed.value, computed.aux)
-        # A golden asked for is warned of when fn returns it less precise; the default
-        # verdict's only where it is no more precise than the reference (a .float() inside
-        # still gives a bf16 reference a float32 golden worth judging by).
-        assert compute is not None or not automatic
-        if not automatic or (compute and epsilon(obtained) >= epsilon(compute.dtype)):
-            check_golden_obtained(fn, golden, obtained, recording)
+        check_golden_obtained(fn, golden, obtained, recording)
         golden_result = Golden(
             dtype=golden,
             device=computed.value.device,
@@ -145,6 +142,11 @@ def compute_reference(
             obtained=obtained,
             value_condition=value_condition(
                 upcast, computed.value, computed.arg_grads, computed.param_grads
+            ),
+            spread=Spread(
+                problem,
+                STRATEGY_FUNCTIONS[primary],
+                compute.dtype if rounded and compute is not None else None,
             ),
         )
 

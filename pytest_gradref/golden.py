@@ -1,26 +1,31 @@
 """The golden reference: the same reference computed in a higher precision, for budgets.
 
-What a golden dtype may be, the problem with its inputs upcast to it, and the warning where
-fn returns a golden less precise than requested (it casts inside).
+What a golden dtype may be, the problem with its inputs upcast to it, the promotion of what
+the reference does in a lower precision (``PromoteToGolden``: its casts, its ``dtype=``
+arguments, the modules and tensors it reaches besides its arguments), and the warning where
+fn still returns a golden less precise than requested.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from pytest_gradref.differentiation import Problem, describe
+from pytest_gradref.differentiation import Problem, Result, describe
 from pytest_gradref.dtypes import epsilon, is_inexact, less_precise
 from pytest_gradref.tolerances import dtype_name
 from pytest_gradref.warning_types import GoldenPrecisionWarning, user_stacklevel
 
 if TYPE_CHECKING:
     from pytest_gradref.recording import Recording
+    from pytest_gradref.spread import Spread
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,35 @@ class Golden:
     # as their sum of magnitudes and their 2-norm (see compare.BudgetItem.condition), a float64
     # tensor of two; None otherwise.
     value_condition: torch.Tensor | None = None
+    # The rounding spread: randomly rounded runs of the reference, run where an item asks.
+    spread: Spread | None = None
+
+
+def compute_golden(
+    strategy: Callable[[Problem], Result], problem: Problem, dtype: torch.dtype
+) -> tuple[Result, Problem]:
+    """The golden result by ``strategy`` and the problem that gave it: ``problem`` itself
+    where fn computes in the golden dtype throughout, else ``problem`` under PromoteToGolden:
+    where fn returned a value or aux less precise than ``dtype`` (it casts inside) or failed
+    (a module or tensor it reaches besides its arguments met the upcast inputs). The second
+    run is paid only by references that need it. Where that fails too, the first error is
+    raised."""
+    __tracebackhide__ = True
+    first: RuntimeError | None = None
+    try:
+        result = strategy(problem)
+    except RuntimeError as error:
+        first = error
+    else:
+        if epsilon(obtained_dtype(result.value, result.aux)) <= epsilon(dtype):
+            return result, problem
+    promoted = replace(problem, mode=partial(PromoteToGolden, dtype))
+    try:
+        return strategy(promoted), promoted
+    except RuntimeError:
+        if first is not None:
+            raise first from None
+        raise
 
 
 def value_condition(
@@ -90,6 +124,62 @@ def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:
     if isinstance(value, dict):
         return {k: _upcast(v, dtype, device) for k, v in value.items()}
     return value
+
+
+# torch's dispatch-mode base class is untyped.
+class PromoteToGolden(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs a reference's operations in the golden dtype where it would run them lower.
+
+    A ``dtype=`` argument less precise than the golden becomes the golden (which is what
+    ``.float()``, ``.half()``, ``.to(torch.float32)`` and ``softmax(..., dtype=...)`` reach as
+    operations), and a floating input less precise than the golden is upcast where it meets a
+    golden-dtype input of the same operation (a closed-over module's float32 weight in the
+    golden's matmul). Bit views (``view(dtype)``, whose dtype is positional) are left alone,
+    and so are arguments written in place, whose aliasing the caller sees. It runs below
+    autograd and torch.func, as the rounded reference's mode does, so gradients see the same
+    promotion.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype = dtype
+        self._epsilon = epsilon(dtype)
+
+    def _lower(self, dtype: Any) -> bool:
+        return (
+            isinstance(dtype, torch.dtype) and is_inexact(dtype) and epsilon(dtype) > self._epsilon
+        )
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._lower(kwargs.get("dtype")):
+            kwargs = {**kwargs, "dtype": torch.promote_types(kwargs["dtype"], self.dtype)}
+        leaves, spec = tree_flatten((args, kwargs))
+        floating = [
+            i
+            for i, leaf in enumerate(leaves)
+            if isinstance(leaf, torch.Tensor) and is_inexact(leaf.dtype)
+        ]
+        if any(leaves[i].dtype == self.dtype for i in floating) and any(
+            self._lower(leaves[i].dtype) for i in floating
+        ):
+            written = {
+                id(args[position] if position < len(args) else kwargs.get(argument.name))
+                for position, argument in enumerate(func._schema.arguments)
+                if argument.alias_info is not None and argument.alias_info.is_write
+            }
+            for i in floating:
+                leaf = leaves[i]
+                if self._lower(leaf.dtype) and id(leaf) not in written:
+                    leaves[i] = leaf.to(torch.promote_types(leaf.dtype, self.dtype))
+            args, kwargs = tree_unflatten(leaves, spec)
+        return func(*args, **kwargs)
 
 
 def golden_problem(problem: Problem, dtype: torch.dtype, device: torch.device | None) -> Problem:
@@ -151,10 +241,13 @@ def check_golden_obtained(
         recording.golden_shortfall = (dtype_name(requested), dtype_name(obtained))
     warnings.warn(
         GoldenPrecisionWarning(
-            f"golden={requested} was requested, but {describe(fn)} returned {obtained}: it "
-            f"casts inside (e.g. .float()), so the golden is only {dtype_name(obtained)}-"
-            "precise and budgets are measured against that. Compute in at least the inputs' "
-            "dtype, e.g. x.to(torch.promote_types(x.dtype, torch.float32)) for .float()"
+            f"golden={requested} was requested, but {describe(fn)} returned {obtained} even "
+            f"with its casts and dtype= arguments promoted to {dtype_name(requested)}, so the "
+            f"golden is only {dtype_name(obtained)}-precise and budgets are measured against "
+            f"that. Something on its path computes in {dtype_name(obtained)} where no "
+            f"{dtype_name(requested)} tensor reaches it (a tensor it creates without a dtype "
+            "or closes over, used alone; a round trip through NumPy or Python numbers): "
+            "pass such tensors as arguments, or create them in the inputs' dtype"
         ),
         stacklevel=user_stacklevel(),
     )

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-from pytest_gradref.auxiliary import UNCHECKED, AuxKey, AuxLeaf, AuxValue, aux_items, pair_aux
+from pytest_gradref.auxiliary import (
+    UNCHECKED,
+    AuxKey,
+    AuxLeaf,
+    AuxValue,
+    aux_items,
+    leaf_tensor,
+    pair_aux,
+)
 from pytest_gradref.compare import (
     MISSING_HINT,
     BudgetItem,
@@ -33,6 +41,7 @@ from pytest_gradref.strategies import Strategy
 from pytest_gradref.tolerances import CheckPolicy, Tolerance, ToleranceOverride
 
 if TYPE_CHECKING:
+    from pytest_gradref.differentiation import Result
     from pytest_gradref.rounding import Rounded
 
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
@@ -187,6 +196,7 @@ class Reference:
         elif aux_tolerances:
             raise ValueError("assert_close(): aux_tolerances= needs the actual aux, as aux=")
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
+        checks = self._judge_with_spread(items, checks)
         checks += unpaired
         if self.recording is not None:
             self.recording.add_checks(checks)
@@ -233,6 +243,43 @@ class Reference:
             )
         resolved = self.policy.tolerance(expected.dtype, extra, self.compute)
         return ToleranceItem(label, actual, expected, resolved, missing, check_dtype)
+
+    def _judge_with_spread(self, items: Sequence[Item], checks: list[ItemCheck]) -> list[ItemCheck]:
+        """The checks, with each budget item that failed on its errors judged again against
+        the rounding spread (spread.py: the reference's randomly rounded runs, run once per
+        reference, here, where the first item needs them): its reference's error is one draw
+        of rounding noise, the runs' errors are many. Items that failed on something else (a
+        shape, a dtype, None, NaN) keep their checks."""
+        spread = self.golden.spread if self.golden is not None else None
+        again = [
+            position
+            for position, (item, check) in enumerate(zip(items, checks))
+            if isinstance(item, BudgetItem) and not check.passed and math.isfinite(check.max_abs)
+        ]
+        if spread is None or not again:
+            return checks
+        runs = [self._run_items(result) for result in spread.results()]
+        retried: list[Item] = []
+        for position in again:
+            item = items[position]
+            assert isinstance(item, BudgetItem)
+            samples = tuple(run[item.label] for run in runs if item.label in run)
+            retried.append(replace(item, samples=samples))
+        checks = list(checks)
+        for position, check in zip(again, check_items(retried)):
+            checks[position] = check
+        return checks
+
+    def _run_items(self, run: Result) -> dict[str, torch.Tensor]:
+        """A run of the golden computation (a rounding spread's), item by item, by label."""
+        found = {"value": run.value, **dict(zip(self.grad_labels, run.arg_grads))}
+        found.update((_param_label(name), grad) for name, grad in run.param_grads.items())
+        if self.aux is not None:
+            for leaf in pair_aux(run.aux, self.aux, None):
+                tensor = leaf_tensor(leaf.actual, None)
+                if leaf.problem is None and tensor is not None:
+                    found[leaf.label] = tensor
+        return found
 
     def _leave_aux_unchecked(self, aux_tolerances: Mapping[AuxKey, Tolerance] | None) -> None:
         """aux=UNCHECKED: validated, and the aux's items recorded as not compared."""
@@ -387,7 +434,7 @@ class Reference:
             for name, expected in self.param_grads.items():
                 golden_grad = golden.param_grads[name] if golden else None
                 rounded_grad = rounded.param_grads[name] if rounded else None
-                label = f"gradient of parameter {name!r}"
+                label = _param_label(name)
                 items.append(
                     (label, param_grads[name], expected, golden_grad, rounded_grad, _no_grad(name))
                 )
@@ -410,6 +457,10 @@ def _aux_tolerance(
             if name is not None and name in table:
                 return table[name], where.format(name)
     return None
+
+
+def _param_label(name: str) -> str:
+    return f"gradient of parameter {name!r}"
 
 
 def _no_grad(name: str) -> str:

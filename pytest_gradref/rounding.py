@@ -7,7 +7,11 @@ alone fails a bf16 kernel that rounds like plain bf16 PyTorch. ``RoundToDtype`` 
 dtype to it (``x.to(compute).to(x.dtype)``), forward and backward: the reference's own
 arithmetic, with the compute dtype's rounding after every operation.
 
-Imported only where a rounded reference is asked for: it imports torch.
+``ResultMode`` is what it is built on: a dispatch mode that replaces each operation's floating
+results while keeping their aliasing; the rounding spread's perturbation (spread.py) is the
+other one.
+
+Imported only where a rounded reference or a spread is asked for: it imports torch.
 """
 
 from __future__ import annotations
@@ -33,39 +37,46 @@ class Rounded:
 
 
 # torch's dispatch-mode base class is untyped.
-class RoundToDtype(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Rounds each floating-point result more precise than ``dtype`` to ``dtype``.
+class ResultMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Replaces each operation's floating-point results by ``transform(func, args, kwargs,
+    result)``.
 
     Results that alias an input keep their aliasing: an in-place or ``out=`` operation's
-    written arguments are rounded in place, and a view (``view``, ``transpose``, ``split``,
-    ``detach``) is left alone, since it shows a tensor that is either an input or was rounded
-    when it was computed. Everything else is replaced by its rounded copy. The operations of
-    the rounding itself run with the mode off (a mode is popped inside its own handler).
+    written arguments are transformed in place, and a view (``view``, ``transpose``, ``split``,
+    ``detach``) is left alone, since it shows a tensor that is either an input or was
+    transformed when it was computed. Everything else is replaced by its transformed copy. The
+    operations of the transform itself run with the mode off (a mode is popped inside its own
+    handler). ``func``, ``args`` and ``kwargs`` are the operation's, ``position`` the index of
+    the return the result is (0 for an argument written in place).
     """
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.dtype = dtype
-        self._epsilon = torch.finfo(dtype).eps
-        # Whether a dtype is rounded, by dtype: finfo costs more than a dictionary lookup.
-        self._rounds: dict[torch.dtype, bool] = {}
+    def transform(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: torch.Tensor,
+        position: int,
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
-    def _round(self, value: Any) -> Any:
+    def _map(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], value: Any, position: int
+    ) -> Any:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point():
             return value
-        rounds = self._rounds.get(value.dtype)
-        if rounds is None:
-            rounds = self._rounds[value.dtype] = torch.finfo(value.dtype).eps < self._epsilon
-        return value.to(self.dtype).to(value.dtype) if rounds else value
+        return self.transform(func, args, kwargs, value, position)
 
-    def _round_in_place(self, value: Any) -> None:
+    def _in_place(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], value: Any
+    ) -> None:
         if isinstance(value, (list, tuple)):
             for tensor in value:
-                self._round_in_place(tensor)
+                self._in_place(func, args, kwargs, tensor)
             return
-        rounded = self._round(value)
-        if rounded is not value:
-            value.copy_(rounded)
+        changed = self._map(func, args, kwargs, value, 0)
+        if changed is not value:
+            value.copy_(changed)
 
     def __torch_dispatch__(
         self,
@@ -81,15 +92,43 @@ class RoundToDtype(TorchDispatchMode):  # type: ignore[no-untyped-call]
             alias = argument.alias_info
             if alias is not None and alias.is_write:  # in place, out=, _foreach_*_
                 written = args[position] if position < len(args) else kwargs.get(argument.name)
-                self._round_in_place(written)
+                self._in_place(func, args, kwargs, written)
         returns = schema.returns
         if not returns:
             return out
+
+        def fresh(value: Any, position: int) -> Any:
+            return tree_map(lambda leaf: self._map(func, args, kwargs, leaf, position), value)
+
         if len(returns) == 1:
-            return out if returns[0].alias_info is not None else tree_map(self._round, out)
+            return out if returns[0].alias_info is not None else fresh(out, 0)
         return type(out)(
             [
-                result if ret.alias_info is not None else tree_map(self._round, result)
-                for ret, result in zip(returns, out)
+                result if ret.alias_info is not None else fresh(result, position)
+                for position, (ret, result) in enumerate(zip(returns, out))
             ]
         )
+
+
+class RoundToDtype(ResultMode):
+    """Rounds each floating-point result more precise than ``dtype`` to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype = dtype
+        self._epsilon = torch.finfo(dtype).eps
+        # Whether a dtype is rounded, by dtype: finfo costs more than a dictionary lookup.
+        self._rounds: dict[torch.dtype, bool] = {}
+
+    def transform(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: torch.Tensor,
+        position: int,
+    ) -> torch.Tensor:
+        rounds = self._rounds.get(result.dtype)
+        if rounds is None:
+            rounds = self._rounds[result.dtype] = torch.finfo(result.dtype).eps < self._epsilon
+        return result.to(self.dtype).to(result.dtype) if rounds else result

@@ -28,6 +28,7 @@ from typing import Any, Union
 
 import torch
 
+from pytest_gradref.differentiation import Result
 from pytest_gradref.fixture import GradReference
 from pytest_gradref.reference import Reference
 
@@ -187,8 +188,22 @@ def slice_reference(full: Reference, cuts: Cuts) -> Reference:
     )
     if full.golden is not None:
         golden = full.golden
+        spread = golden.spread
+        if spread is not None:  # its runs, computed for the whole reference, sliced alike
+            whole = spread.select
+
+            def select(run: Result) -> Result:
+                run = whole(run)
+                return replace(
+                    run, arg_grads=args(run.arg_grads), param_grads=params(run.param_grads)
+                )
+
+            spread = replace(spread, select=select)
         values["golden"] = replace(
-            golden, arg_grads=args(golden.arg_grads), param_grads=params(golden.param_grads)
+            golden,
+            arg_grads=args(golden.arg_grads),
+            param_grads=params(golden.param_grads),
+            spread=spread,
         )
     if full.rounded is not None:
         rounded = full.rounded

@@ -121,6 +121,22 @@ FLOOR_ULPS: Mapping[str, float] = {"float16": 1, "bfloat16": 1, "float32": 16, "
 # than one in ten thousand values of a correct kernel.
 SPREAD_SIGMAS = 4.0
 
+# The systematic criteria (compare.Systematic: the error's scale along the golden and its
+# bias) judge items of at least this many elements: fewer cannot tell a scale from rounding.
+SYSTEMATIC_MIN_NUMEL = 64
+# A systematic error may reach this many of its standard errors (estimated from what the fit
+# leaves, as if elements erred independently) before the rounding spread is asked: rounding
+# that errs element by element leaves a scale of a few at most, a scale bug hundreds.
+SYSTEMATIC_SIGMAS = 6.0
+# The systematic criteria's floor, as a share of the floor's rounding steps (FLOOR_ULPS of
+# the dtype): half a step, the unit roundoff, the scale error of one rounding of a factor
+# every element shares (0.39% in bf16, 0.049% in fp16, 16 x 6e-8 in float32).
+SYSTEMATIC_FLOOR = 0.5
+
+# The rounding spread's allowance (compare.spread_factor): its runs' rms times 1 + this many
+# coefficients of variation of their errors (at least the budget).
+SPREAD_VARIATIONS = 10.0
+
 
 @dataclass(frozen=True)
 class CheckPolicy:

@@ -103,17 +103,18 @@ def test_fused_linear_dpo_in_bf16(grad_reference, gradref_device, shape, bias, c
 
 
 @ROUNDED
-def test_per_chunk_means_in_bf16_are_caught(grad_reference, gradref_device):
+def test_per_chunk_means_in_bf16_stay_within_the_rounding_spread(grad_reference, gradref_device):
     # A pair per chunk, as Liger's default: each chunk's mean of the logits is rounded to bf16
     # before the means are summed, and here they (0.070, -0.037, -0.005) are larger than their
-    # sum (0.029), so a step of theirs is four of the result's. The rounded reference takes the
-    # mean in one reduction, as the reference does, so this error is the kernel's own.
+    # sum (0.029), so a step of theirs is four of the result's. That error (4.7e-4) is of the
+    # size of what the bf16 rounding of the logits themselves gives the mean: 16 randomly
+    # rounded runs of the reference err by 1.1e-4 rms, and its own error (2.3e-6) was a lucky
+    # draw, which the budget alone doubled into a false alarm. The verdict passes it.
     args = preference_inputs(gradref_device, torch.bfloat16, *PREFERENCE_SHAPES[1], bias=False)
     ref, loss, grads, aux = dpo_in_bf16(grad_reference, args, False, True, 1)
-    with pytest.raises(
-        AssertionError, match=r"1 of 10 items differ\n- aux\['rejected_logits_mean'\]"
-    ):
-        ref.assert_close(loss, grads, aux=aux)
+    ref.assert_close(loss, grads, aux=aux)
+    checks = {check.label: check for check in ref.recording.checks}
+    assert checks["aux['rejected_logits_mean']"].spread_runs == 16
 
 
 @ROUNDED

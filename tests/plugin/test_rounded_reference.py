@@ -239,9 +239,10 @@ def test_aux_four_times_worse(grad_reference):
     ref = grad_reference(Scaled(), x, has_aux=True)
     twin, value, grad_x, aux = twin_run(x)
     golden = ref.golden.aux["rows"]
-    # Six times the rounded reference's error: here that error is half a bf16 step of the
-    # rows' scale, and the floor is a whole step.
-    worse = golden + 6 * (ref.rounded.aux["rows"].double() - golden)
+    # Twenty times the rounded reference's error: here that error is half a bf16 step of the
+    # rows' scale, the floor is a whole step, and the rounding spread (randomly rounded runs of
+    # the reference in bf16) lets four rows of a few bf16 operations err by a few steps.
+    worse = golden + 20 * (ref.rounded.aux["rows"].double() - golden)
     ref.assert_close(value, grad_x, param_grads=twin, aux={**aux, "rows": worse.float()})
 """
     )

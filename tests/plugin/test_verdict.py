@@ -25,7 +25,12 @@ F32_EPS = torch.finfo(torch.float32).eps
 
 
 def reference(
-    fn: Callable[..., Any], *args: Any, verdict: str = "golden", argnums: Any = 0, **kwargs: Any
+    fn: Callable[..., Any],
+    *args: Any,
+    verdict: str = "golden",
+    argnums: Any = 0,
+    has_aux: bool = False,
+    **kwargs: Any,
 ) -> Reference:
     """fn's reference as grad_reference computes it under ``verdict`` (plugin.py): the golden
     verdict gives a float64 golden where the compute dtype is less precise, and the budget
@@ -37,7 +42,7 @@ def reference(
         args,
         {},
         argnums=argnums,
-        has_aux=False,
+        has_aux=has_aux,
         strategy="autograd",
         default_strategy="autograd",
         policy=policy,
