@@ -250,10 +250,10 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     reference, the rounded reference where there is one, and each of the spread's runs, the
     greatest error and its norm. An item with a systematic criterion (``systematic``) adds
     the sums a least-squares fit of each error by the golden needs (``LeastSquares``): the
-    golden's sum, and per side (the reference's aside, which counts only in a failure's
-    message) the error's sum and its product with the golden. None for an item the batched
-    pass leaves out. NaN anywhere makes an error NaN (a NaN golden makes all NaN), which fails
-    the item; which side held it is looked up for the failure message only."""
+    golden's sum, and per side the error's sum and its product with the golden. None for an
+    item the batched pass leaves out. NaN anywhere makes an error NaN (a NaN golden makes all
+    NaN), which fails the item; which side held it is looked up for the failure message
+    only."""
     actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
     assert actual is not None
     references = (reference,) if rounded is None else (reference, rounded)
@@ -279,10 +279,10 @@ def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
     g_finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) if fitted else g
     if fitted:
         numbers += [g_finite.sum(), *_fit_sums(own_signed, g_finite)]
-    for position, other in enumerate(others):
+    for other in others:
         signed = _signed(other, g)
         numbers += [signed.abs().max(), signed.norm()]
-        if fitted and position > 0:  # the rounded reference and the runs
+        if fitted:
             numbers += _fit_sums(signed, g_finite)
     return torch.stack(numbers)
 
@@ -295,9 +295,11 @@ def _signed(actual: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
 
 
 def _fit_sums(signed: torch.Tensor, golden: torch.Tensor) -> list[torch.Tensor]:
-    """The error's sum and its product with the golden, non-finite elements left out."""
-    error = signed.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return [error.sum(), (error * golden).sum()]
+    """The error's sum and its product with the golden (whose non-finite elements count as
+    zeros), for plain tensors: two reductions. A non-finite error makes them non-finite,
+    which fails the fit, as the greatest error fails the item."""
+    error = signed.reshape(-1)
+    return [error.sum(), torch.dot(error, golden.reshape(-1))]
 
 
 def systematic(item: BudgetItem) -> bool:
@@ -320,7 +322,7 @@ def _layout(item: BudgetItem, fitted: bool) -> list[str]:
     sides = 1 + (item.rounded is not None) + len(item.samples)
     for position in range(sides):
         names += [f"{position}.max", f"{position}.norm"]
-        if fitted and position > 0:
+        if fitted:
             names += [f"{position}.sum_e", f"{position}.sum_eg"]
     return names
 
@@ -433,7 +435,7 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
         prefix = f"{position}."
         side_max, side_norm = named[prefix + "max"], named[prefix + "norm"]
         fit = None
-        if design is not None and position > 0:
+        if design is not None:
             fit = design.fit(named[prefix + "sum_e"], named[prefix + "sum_eg"], side_norm**2)
         return SideErrors(side_max, side_norm, fit)
 
@@ -546,9 +548,9 @@ def _check_alone(item: Item) -> ItemCheck:
         g = golden.detach().to(torch.float64).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         design = LeastSquares(actual.numel(), float(g.sum()), own.magnitude_norm**2)
 
-    def side(tensor: torch.Tensor, fitted: bool = True) -> SideErrors:
+    def side(tensor: torch.Tensor) -> SideErrors:
         stats = _stats(tensor, golden)
-        if design is None or not fitted:
+        if design is None:
             return SideErrors(stats.max_abs, stats.norm)
         return SideErrors(stats.max_abs, stats.norm, _host_fit(tensor, golden, design))
 
@@ -568,7 +570,7 @@ def _check_alone(item: Item) -> ItemCheck:
         own_side,
         scale_se,
         bias_se,
-        side(item.reference, fitted=False),
+        side(item.reference),
         None if item.rounded is None else side(item.rounded),
         tuple(side(sample) for sample in item.samples),
         design,
@@ -581,9 +583,10 @@ def _host_fit(tensor: torch.Tensor, golden: torch.Tensor, design: LeastSquares) 
     batched pass, or a failure's message)."""
     g = golden.detach().to(torch.float64)
     signed = _signed(tensor, g)
-    sum_e, sum_eg = _fit_sums(signed, g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0))
-    error = signed.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return design.fit(float(sum_e), float(sum_eg), float(error.square().sum()))
+    finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    # Elementwise, not torch.dot: a tensor subclass need not implement it.
+    sum_e, sum_eg, sum_ee = signed.sum(), (signed * finite).sum(), signed.square().sum()
+    return design.fit(float(sum_e), float(sum_eg), float(sum_ee))
 
 
 def _full_where_mixed(item: Item) -> Item:
@@ -812,26 +815,26 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
         and math.isfinite(errors.scale_se)
         and math.isfinite(errors.bias_se)
     )
-    # A systematic error is judged by its own noise, not counted from the reference's (one
-    # draw of a scale, which the budget would double): at most SYSTEMATIC_SIGMAS standard
-    # errors plus the floor, one rounding of a shared factor (a bf16 1/N), or what the
-    # rounding spread allows. A rounded reference (rounded=True: the kernel rounds at every
-    # step, as it does) counts: rounding to nearest at every step can be biased.
+    # A systematic error may be the reference's own (a kernel that computes an item as the
+    # reference does shares its rounding, and the error of a cancelling sum repeated over
+    # rows fits as a bias), up to the budget, plus SYSTEMATIC_SIGMAS of its standard errors and
+    # the floor, one rounding of a shared factor (a bf16 1/N), or what the rounding spread
+    # allows. A rounded reference (rounded=True) counts too: rounding to nearest at every step
+    # can be biased.
     systematic_floor = SYSTEMATIC_FLOOR * steps * epsilon(floor_dtype)
     if fitted:
-        rounded_side = errors.rounded
         judged += [
             Judged(
                 Criterion.SCALE,
                 abs(errors.own.scale),
-                0.0 if rounded_side is None else abs(rounded_side.scale),
+                max(abs(b.scale) for b in bases),
                 systematic_floor,
                 SYSTEMATIC_SIGMAS * errors.scale_se,
             ),
             Judged(
                 Criterion.BIAS,
                 abs(errors.own.bias),
-                0.0 if rounded_side is None else abs(rounded_side.bias),
+                max(abs(b.bias) for b in bases),
                 systematic_floor * errors.mean_magnitude,
                 SYSTEMATIC_SIGMAS * errors.bias_se,
             ),
@@ -923,9 +926,7 @@ def _budget_failure(
     golden_name = dtype_name(golden.dtype)
     also = f" ({other})" if other else ""
     lines = []
-    reference_fit = None
-    if errors.design is not None:
-        reference_fit = _host_fit(item.reference, golden, errors.design)
+    reference_fit = errors.reference.fit
     for j in judged:
         if j.passed(budget):
             continue

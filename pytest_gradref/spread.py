@@ -319,6 +319,11 @@ class Spread:
     select: Callable[[Result], Result] = _whole
     _runs: list[Result] = field(default_factory=list, repr=False)
 
+    @property
+    def ran(self) -> bool:
+        """Whether the runs were made (an item asked for them)."""
+        return bool(self._runs)
+
     def results(self) -> tuple[Result, ...]:
         if not self._runs:
             self._runs.extend(

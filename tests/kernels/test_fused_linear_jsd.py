@@ -31,6 +31,11 @@ SHAPES_AND_DTYPES = [  # (B, T, H, V), dtype
     pytest.param((8, 128, 1024, 4096), torch.bfloat16, id="8x128x1024x4096-bf16"),
     pytest.param((8, 128, 1024, 4096), torch.float32, id="8x128x1024x4096-fp32"),
     pytest.param((3, 47, 31, 123), torch.bfloat16, id="3x47x31x123-bf16"),
+    # 64 rows, a 128-wide student (256-wide teacher) and 256 classes in bf16: where a 1% scale
+    # of the weight gradient hides under the normwise budget (the bf16 reference's own
+    # normwise error is as large) and only the systematic criteria see it
+    # (benchmarks/_mutations.py's grad_weight_scale_1pct is caught here).
+    pytest.param((1, 64, 256, 256), torch.bfloat16, id="1x64x256x256-bf16"),
     pytest.param((3, 47, 31, 123), torch.float32, id="3x47x31x123-fp32"),
 ]
 # The small problem of the tests beyond the reference suite: several chunks, odd sizes.
