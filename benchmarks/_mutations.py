@@ -11,8 +11,8 @@ source stops the run, so a kernel change cannot turn a mutation into a silent no
 As a plugin (``-p _mutations``, with ``benchmarks/`` on ``PYTHONPATH``), it applies the
 mutation that ``GRADREF_MUTATION`` names as pytest configures, in every process (xdist's
 workers too), and says so in the header. Where ``GRADREF_MUTATION_HITS`` names a folder, each
-process writes there how many times the mutated code changed a computation (``<pid>.hits``):
-proof that the mutation reached the tests.
+process writes there how many times the mutated code changed a computation (``<pid>.hits``,
+after every test and at exit): proof that the mutation reached the tests.
 """
 
 from __future__ import annotations
@@ -380,11 +380,22 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"gradref mutation: {name} ({ENV}={name}, benchmarks/_mutations.py)"
 
 
+def _write_hits() -> None:
+    folder = os.environ.get(HITS_ENV)
+    if folder:
+        Path(folder, f"{os.getpid()}.hits").write_text(f"{hits()}\n")
+
+
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    # After every test, not only at exit: an xdist worker that is slow to shut down can be
+    # ended by its controller before its unconfigure hooks run.
+    if _selected() is not None:
+        _write_hits()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     monkeypatch = config.stash.get(_MONKEYPATCH, None)
     if monkeypatch is None:
         return
-    folder = os.environ.get(HITS_ENV)
-    if folder:
-        Path(folder, f"{os.getpid()}.hits").write_text(f"{hits()}\n")
+    _write_hits()
     monkeypatch.undo()

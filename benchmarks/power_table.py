@@ -19,7 +19,8 @@ chunked kernel's weight gradient is multiplied by ``1 + s`` (a scale error) or s
 smallest ``s`` that fails on every one of them is the cell's power (targets: <= 1% in half
 precision, <= 1e-4 in float32); "-" where no rung fails on every seed.
 
-    python benchmarks/power_table.py --out benchmarks/results/cpu/power_table.txt
+    python benchmarks/power_table.py --jobs 15 --threads 1 2 --out power_table.txt
+      (its last table: benchmarks/results/h200/power_table_host_cpu.txt, the H200 machine's CPU)
     python benchmarks/power_table.py --quick        # a small grid, a few seeds, printed
 """
 
@@ -44,6 +45,7 @@ from _bench_util import git_commit
 from pytest_gradref import Reference, compute_reference
 from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
 
+REPO = Path(__file__).resolve().parent.parent
 Tensor = torch.Tensor
 Head = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> loss
 
@@ -201,7 +203,7 @@ def level(value: float) -> str:
 
 def table(cells: Sequence[Cell], seeds: int, power_seeds: int) -> str:
     lines = [
-        f"# power_table.py at {git_commit()}, torch {torch.__version__}, host threads "
+        f"# power_table.py at {git_commit(REPO)}, torch {torch.__version__}, host threads "
         f"{os.cpu_count()}; {seeds} seeds x 2 correct kernels per cell for the false reds, "
         f"{power_seeds} seeds for the power (the smallest rung caught on every seed)",
         "",
