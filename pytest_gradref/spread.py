@@ -262,10 +262,21 @@ class RandomRounding(ResultMode):
         result: torch.Tensor,
         position: int,
     ) -> torch.Tensor:
-        if type(result) not in (torch.Tensor, torch.nn.Parameter):
-            # A tensor subclass (DTensor) need not draw noise of its own layout: its results
-            # are kept, and the spread counts only the rounding of plain tensors.
+        try:
+            return self._rounded(func, args, kwargs, result, position)
+        except (RuntimeError, NotImplementedError, TypeError):
+            # A tensor subclass that cannot draw noise of its own layout (a sharded DTensor's
+            # uniform_): its result is kept, and the spread counts the rounding of the rest.
             return result
+
+    def _rounded(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: torch.Tensor,
+        position: int,
+    ) -> torch.Tensor:
         packet = func.overloadpacket
         target = result.dtype
         if self.dtype is not None and torch.finfo(self.dtype).eps > torch.finfo(target).eps:
