@@ -700,7 +700,12 @@ class Judged:
         own = budget * self.basis + self.extra + self.floor
         if math.isnan(self.spread_rms) or math.isnan(own):
             return own
-        return max(own, self.spread_factor * self.spread_rms + self.floor)
+        spread = self.spread_factor * self.spread_rms
+        if self.criterion in (Criterion.SCALE, Criterion.BIAS):
+            # A systematic floor is one rounding of a shared factor, independent of the
+            # rounding the spread's runs draw: the two add as independent errors do.
+            return max(own, math.hypot(spread, self.floor))
+        return max(own, spread + self.floor)
 
     def passed(self, budget: float) -> bool:
         return self.error <= self.allowed(budget)  # False where either is NaN
@@ -734,7 +739,8 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
 
         max|actual - golden|      <= budget * max|reference - golden| + floor
         ||actual - golden||       <= budget * ||reference - golden||  + floor
-        |scale|, |bias| of actual <= budget * the reference's + 6 standard errors + floor
+        |scale|, |bias| of actual <= budget * the reference's on the actual's side of zero
+                                      + 6 standard errors + floor
 
     The greatest error catches a wrong element; the norm an error spread thinly over many;
     the systematic criteria (``Systematic``: the error's least-squares component along the
@@ -827,14 +833,14 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
             Judged(
                 Criterion.SCALE,
                 abs(errors.own.scale),
-                max(abs(b.scale) for b in bases),
+                _toward(errors.own.scale, [b.scale for b in bases]),
                 systematic_floor,
                 SYSTEMATIC_SIGMAS * errors.scale_se,
             ),
             Judged(
                 Criterion.BIAS,
                 abs(errors.own.bias),
-                max(abs(b.bias) for b in bases),
+                _toward(errors.own.bias, [b.bias for b in bases]),
                 systematic_floor * errors.mean_magnitude,
                 SYSTEMATIC_SIGMAS * errors.bias_se,
             ),
@@ -880,6 +886,17 @@ def _budget_check(item: BudgetItem, errors: BudgetErrors) -> ItemCheck:
         bias_error=_ratio(errors.own.bias, errors.mean_magnitude) if fitted else math.nan,
         spread_runs=len(errors.samples),
     )
+
+
+def _toward(own: float, references: Sequence[float]) -> float:
+    """The references' systematic error (a scale or a bias) that counts toward the actual's:
+    the largest on the actual's side of zero, 0 where every one lies on the other side. A
+    correct kernel's systematic error lies between none (exact arithmetic, or a finer dtype)
+    and the reference's (rounding where the reference rounds), so the reference's is allowed in
+    its own direction only: a 1% scale error against a reference whose own rounding leans the
+    other way is not hidden by twice that lean."""
+    sign = 1.0 if own >= 0 else -1.0
+    return max([0.0, *(sign * r for r in references)])
 
 
 def _with_spread(judged: Judged, errors: BudgetErrors, budget: float) -> Judged:
@@ -962,15 +979,24 @@ def _budget_failure(
                 f"systematic error vs the {golden_name} golden: {what}, "
                 f"{_times(j.error, standard_error)} its standard error {standard_error:.2g} "
                 f"(from the rest of the error); allowed: "
-                + (f"budget {budget:g} x {basis_name}'s {j.basis:.3g} + " if j.basis else "")
+                + (
+                    f"budget {budget:g} x {basis_name}'s {j.basis:.3g} + "
+                    if j.basis
+                    else "(none of the reference's own, which leans the other way or is 0) "
+                )
                 + f"{SYSTEMATIC_SIGMAS:g} standard errors + floor {j.floor:.3g}"
             )
         line += f" = {allowed:.3g}"
         if not math.isnan(j.spread_rms):
+            plus = (
+                "and the floor in quadrature"
+                if j.criterion in (Criterion.SCALE, Criterion.BIAS)
+                else "+ floor"
+            )
             line += (
                 f"; the rounding spread ({len(errors.samples)} randomly rounded runs of the "
                 f"reference) allows "
-                f"{j.spread_factor:.3g} x their rms {j.spread_rms:.3g} + floor"
+                f"{j.spread_factor:.3g} x their rms {j.spread_rms:.3g} {plus}"
             )
         lines.append(line)
     sides = [("actual result", actual), ("reference", item.reference), ("golden", golden)]

@@ -181,6 +181,44 @@ def test_a_scale_error_names_its_standard_error_and_the_references() -> None:
     )
 
 
+def bf16_chunked_kernel(x, w, scale=1.0):  # type: ignore[no-untyped-def]
+    """LOSSES["log_softmax"] as a fused-linear kernel computes it: in four chunks of rows,
+    the logits and their gradient in bf16 as the reference computes them (so the kernel
+    shares the reference's rounding, and its lean), the weight gradient accumulated in
+    float32, times ``scale``, rounded once."""
+    value = torch.zeros((), dtype=torch.float32)
+    grad_w = torch.zeros(w.shape, dtype=torch.float32)
+    grad_x = []
+    for rows in x.chunk(4):
+        logits = (rows @ w.T).detach().requires_grad_()
+        loss = torch.log_softmax(logits, dim=-1).square().sum()
+        (grad_logits,) = torch.autograd.grad(loss, logits)
+        value += loss.detach().float()
+        grad_w += grad_logits.float().T @ rows.float()
+        grad_x.append((grad_logits.float() @ w.float()).to(x.dtype))
+    return value.to(x.dtype), (torch.cat(grad_x), (grad_w * scale).to(w.dtype))
+
+
+def test_a_scale_error_against_the_references_lean_is_not_hidden_by_it() -> None:
+    # The bf16 reference's weight gradient leans by a few 1e-3 (its rounding is not unbiased),
+    # and a kernel that rounds as it does leans with it. A 1% scale the other way left an
+    # error under twice the lean plus the floor: only the reference's lean toward the
+    # kernel's error counts now (a correct kernel lies between none and the reference's).
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 128, generator=gen).bfloat16()
+    w = (torch.randn(512, 128, generator=gen) / 128**0.5).bfloat16()
+    ref = reference(LOSSES["log_softmax"], x, w, argnums=(0, 1))
+    ref.assert_close(*bf16_chunked_kernel(x, w))
+    message = failure(ref, *bf16_chunked_kernel(x, w, scale=0.99))
+    assert "1 of 3 items differ\n- gradient of argument 1 (w):" in message
+    lean = re.search(r"the reference's own: ([-+.e\d]+)\)", message)
+    own = re.search(r"a scale of ([-+.e\d]+) ", message)
+    assert lean is not None
+    assert own is not None
+    assert float(lean[1]) > 0 > float(own[1])  # the reference leans the other way
+    assert "none of the reference's own, which leans the other way" in message
+
+
 def test_the_spread_allowance_follows_the_variation_of_its_runs() -> None:
     # Runs that agree get the budget; runs as variable as one rounding error get about 7
     # times their rms (divided by sqrt(2): the runs round stochastically, whose error variance
