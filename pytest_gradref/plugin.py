@@ -12,6 +12,8 @@ explicitly, or when torch is already loaded.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from collections.abc import Generator
 from typing import TYPE_CHECKING
@@ -41,6 +43,9 @@ from pytest_gradref.settings import (
     BASELINE_REFRESH_INI,
     OPTIONS,
     SEED_OPTION,
+    THREADS_OPTION,
+    parse_threads,
+    read_setting,
     read_settings,
     read_simulation,
     seed_for_test,
@@ -52,6 +57,14 @@ from pytest_gradref.state import (
     recording_key,
     seed_key,
     state_key,
+    threads_key,
+)
+from pytest_gradref.threads import (
+    OMP_ENV,
+    apply_threads,
+    plan_threads,
+    usable_cores,
+    xdist_worker_count,
 )
 from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
 from pytest_gradref.xdist import XdistHooks, worker_device_request
@@ -89,8 +102,24 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # (transformers caches is_torch_npu_available() on its first call). So far the command
     # line is parsed into known_args_namespace only; read_settings reads the same again, with
     # the rest, at configure time.
+    # The thread count first, so that it reaches torch through OMP_NUM_THREADS where nothing
+    # imported torch yet.
+    _apply_threads(early_config, early_config.known_args_namespace)
     simulate, numerics = read_simulation(early_config, early_config.known_args_namespace)
     _install_simulation(early_config, simulate, numerics, after_conftests=False)
+
+
+def _apply_threads(config: pytest.Config, namespace: argparse.Namespace | None = None) -> None:
+    """Apply the threads setting once per process (threads.py), and keep the plan for the
+    header."""
+    if threads_key in config.stash:
+        return
+    choice = parse_threads(read_setting(config, THREADS_OPTION, namespace))
+    plan = plan_threads(
+        choice, xdist_worker_count(), usable_cores(), os.environ.get(OMP_ENV, "").strip()
+    )
+    apply_threads(plan)
+    config.stash[threads_key] = plan
 
 
 def _install_simulation(
@@ -135,6 +164,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
     # was loaded late, from a conftest: still before any backend is probed.
     _install_simulation(config, settings.simulate, settings.simulate_numerics, after_conftests=True)
+    _apply_threads(config)  # where the plugin loaded late, from a conftest
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
     # An xdist worker takes the device its controller chose instead.
@@ -190,7 +220,11 @@ def _header_once(config: pytest.Config) -> list[str]:
             "suite)"
         )
     )
-    return [state.resolved.header_line(seed, settings.verdict)]
+    line = state.resolved.header_line(seed, settings.verdict)
+    plan = config.stash.get(threads_key, None)
+    if plan is not None and plan.count is not None:
+        line += f" threads={plan.count} ({plan.why})"
+    return [line]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -23,6 +23,7 @@ import pytest
 from pytest_gradref.diff import DEFAULT_THRESHOLD, MIN_THRESHOLD
 from pytest_gradref.numbers import number_problem
 from pytest_gradref.strategies import STRATEGY_CHOICES, StrategyChoice
+from pytest_gradref.threads import OMP_ENV, SPLIT_CHOICE, TORCH_CHOICE
 
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
@@ -204,6 +205,17 @@ RANK_TIMEOUT_OPTION = OptionSpec(
     "gradref_rank_timeout",
 )
 
+THREADS_HELP = (
+    f"CPU threads each test process computes with: {TORCH_CHOICE} (torch's own count, the "
+    f"host's cores in every process), {SPLIT_CHOICE} (each xdist worker gets its share of the "
+    f"cores, at least one, unless {OMP_ENV} is set; a session without xdist keeps torch's "
+    "own), or a positive integer. Under -n, torch's own count has every worker use every core: "
+    "oversubscribed, small operators run several times slower. Default: torch."
+)
+THREADS_OPTION = OptionSpec(
+    "--gradref-threads", "gradref_threads", THREADS_HELP, "GRADREF_THREADS", "gradref_threads"
+)
+
 
 # Every option of the gradref group, in the order --help lists them.
 OPTIONS = (
@@ -215,6 +227,7 @@ OPTIONS = (
     SIMULATE_NUMERICS_OPTION,
     STRICT_DEVICE_OPTION,
     RANK_TIMEOUT_OPTION,
+    THREADS_OPTION,
     REPORT_OPTION,
     BASELINE_OPTION,
     BASELINE_FAIL_OPTION,
@@ -341,6 +354,21 @@ def parse_rank_timeout(setting: Setting) -> float:
     return seconds
 
 
+def parse_threads(setting: Setting) -> int | str:
+    """The threads setting: TORCH_CHOICE, SPLIT_CHOICE or a positive integer."""
+    value = setting.value.strip().lower()
+    if setting.source == "the default":
+        return TORCH_CHOICE
+    if value in (TORCH_CHOICE, SPLIT_CHOICE):
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise pytest.UsageError(
+        f"Invalid gradref threads {setting.value!r} from {setting.source}; valid values are "
+        f"{TORCH_CHOICE}, {SPLIT_CHOICE} or a positive integer such as 1"
+    )
+
+
 def seed_for_test(base: int, nodeid: str) -> int:
     """A seed that depends only on the base seed and the test's node id (stable across runs)."""
     digest = hashlib.sha256(f"{base}:{nodeid}".encode()).digest()
@@ -417,6 +445,7 @@ class Settings:
         simulate_numerics: the simulated device's numerics, cpu or ascend.
         strict_device: whether a run with tests that did not use the device fails.
         rank_timeout: seconds a rank of a multi-rank test may run, unless its marker says.
+        threads: the CPU threads setting (threads.py): TORCH_CHOICE, SPLIT_CHOICE or a count.
         report: the path of the JSON report to write, or None.
         baseline: the path of the baseline report to compare the run with, or None.
         baseline_fail: whether a regression against the baseline fails the session.
@@ -434,6 +463,7 @@ class Settings:
     simulate_numerics: str
     strict_device: bool
     rank_timeout: float
+    threads: int | str
     report: str | None
     baseline: str | None
     baseline_fail: bool
@@ -489,6 +519,7 @@ def read_settings(config: pytest.Config, registry: BackendRegistry) -> Settings:
         simulate_numerics=numerics,
         strict_device=parse_flag(raw[STRICT_DEVICE_OPTION.dest]),
         rank_timeout=parse_rank_timeout(raw[RANK_TIMEOUT_OPTION.dest]),
+        threads=parse_threads(raw[THREADS_OPTION.dest]),
         report=config.getoption(REPORT_OPTION.dest) or None,
         baseline=baseline or None,
         baseline_fail=bool(config.getoption(BASELINE_FAIL_OPTION.dest)),

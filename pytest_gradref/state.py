@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pytest_gradref.recording import Recording
     from pytest_gradref.resolution import Setup
     from pytest_gradref.settings import DeviceRequest, Settings
+    from pytest_gradref.threads import ThreadPlan
 
 
 @dataclass
@@ -45,6 +46,8 @@ state_key = pytest.StashKey[GradrefState]()
 recording_key: pytest.StashKey[Recording] = pytest.StashKey()
 # The seed gradref gave torch for the test, on the test item (absent where it gave none).
 seed_key: pytest.StashKey[int] = pytest.StashKey()
+# The CPU threads this process computes with (threads.py), on the config, once applied.
+threads_key: pytest.StashKey[ThreadPlan] = pytest.StashKey()
 
 
 def gradref_state(config: pytest.Config) -> GradrefState:

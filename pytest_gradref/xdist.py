@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gradref.settings import DeviceRequest, Setting, parse_device
+from pytest_gradref.state import threads_key
 
 if TYPE_CHECKING:
     from pytest_gradref.backends import BackendRegistry
@@ -90,7 +91,11 @@ class XdistHooks:
         workeroutput = getattr(session.config, "workeroutput", None)
         setup = self.state.resolved
         if workeroutput is not None and setup is not None:
-            workeroutput[WORKER_SETUP_KEY] = worker_summary(setup)
+            summary = worker_summary(setup)
+            plan = session.config.stash.get(threads_key, None)
+            if plan is not None and plan.count is not None:
+                summary["threads"] = f"{plan.count} thread(s): {plan.why}"
+            workeroutput[WORKER_SETUP_KEY] = summary
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -100,9 +105,10 @@ class XdistHooks:
         for workerid in sorted(self.workers, key=lambda w: int(w.removeprefix("gw"))):
             info = self.workers[workerid]
             physical = f", physical {info['physical']}" if info.get("physical") else ""
+            threads = f"; {info['threads']}" if info.get("threads") else ""
             terminalreporter.write_line(
                 f"{workerid} -> {info['device']} ({info['description']}{physical}; "
-                f"current device {info['current']})"
+                f"current device {info['current']}{threads})"
             )
 
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch._dynamo  # see the note below
 
+from pytest_gradref.settings import OPTIONS
+
 # In-process pytester runs drop every module a run imported once the run ends. The first
 # torch.func transform imports torch._dynamo, which imports Triton when it is installed and
 # wraps torch.manual_seed so that its next call re-imports torch._dynamo; a second in-process
@@ -32,14 +34,10 @@ torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
 with contextlib.suppress(ModuleNotFoundError):
     import importlib_metadata  # noqa: F401
 
+# Every gradref environment variable, from the settings' one declaration, and the simulated
+# npu's visible-devices variable: cleared for each generated project's run.
 GRADREF_ENV = (
-    "GRADREF_DEVICE",
-    "GRADREF_STRATEGY",
-    "GRADREF_VERDICT",
-    "GRADREF_SEED",
-    "GRADREF_SIMULATE",
-    "GRADREF_RANK_TIMEOUT",
-    "GRADREF_SIMULATE_NUMERICS",
+    *(spec.env for spec in OPTIONS if spec.env is not None),
     "ASCEND_RT_VISIBLE_DEVICES",
 )
 

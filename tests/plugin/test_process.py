@@ -59,6 +59,7 @@ CONFIGURE_LAYER = {
         ".settings",
         ".state",
         ".strategies",
+        ".threads",
         ".tolerances",
         ".warning_types",
         ".xdist",
