@@ -92,7 +92,10 @@ class BaselineGate:
         failed = self.problem or (
             self.diff is not None and (self.diff.regressions or self.ungated())
         )
-        if self.fail and failed and session.exitstatus == pytest.ExitCode.OK:
+        # A run that collected nothing judged nothing: pytest's "no tests collected" (5),
+        # which CI scripts often accept, becomes the gate's failure too.
+        judged_status = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+        if self.fail and failed and session.exitstatus in judged_status:
             session.exitstatus = BASELINE_REGRESSION_EXIT
 
     def ungated(self) -> list[str]:

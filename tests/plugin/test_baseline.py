@@ -244,6 +244,32 @@ def test_a_baseline_that_judges_nothing_fails_the_gate(
     assert "regressions" not in warned.stdout.str()
 
 
+@pytest.mark.parametrize(
+    "selection", [["-k", "nomatch"], ["empty"]], ids=["k-nomatch", "empty-dir"]
+)
+def test_a_gated_run_that_collects_nothing_exits_6(
+    pytester: pytest.Pytester, baseline: str, selection: list[str]
+) -> None:
+    # pytest's own status would be 5 (no tests collected), which CI scripts often accept: the
+    # gate's status replaces it, as the line says.
+    pytester.mkdir("empty")
+    result = pytester.runpytest(
+        "--gradref-device=cpu",
+        f"--gradref-baseline={baseline}",
+        "--gradref-baseline-fail",
+        *selection,
+    )
+    assert result.ret == BASELINE_REGRESSION_EXIT
+    result.stdout.fnmatch_lines(
+        ["WARNING: nothing judged against *base.json: *; the session fails (exit status 6)"]
+    )
+    # Ungated, the run keeps pytest's own status.
+    warned = pytester.runpytest(
+        "--gradref-device=cpu", f"--gradref-baseline={baseline}", *selection
+    )
+    assert warned.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
 def test_tests_in_common_without_items_fail_the_gate(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_compares_nothing=COMPARES_NOTHING)
     pytester.runpytest("--gradref-device=cpu", "--gradref-report=base.json").assert_outcomes(
