@@ -210,8 +210,9 @@ def _pytest(directory: Path, args: Sequence[str], env: dict[str, str], plugin: b
 
 
 def write_tests(directory: Path, device: str, count: int) -> None:
-    # An ini file of its own, so the repository's configuration does not apply.
-    (directory / "pytest.ini").write_text("[pytest]\n")
+    # An ini file of its own, so the repository's configuration does not apply; the plugin
+    # seeds the hand-written tests too, so both groups pay for a seed.
+    (directory / "pytest.ini").write_text("[pytest]\ngradref_seed_every_test = true\n")
     common = COMMON.format(device=device)
     # Interleaved, so both groups see the same warm-up and the same drift of the machine.
     body = "".join(PLUGIN_TEST.format(i=i) + HAND_TEST.format(i=i) for i in range(count))

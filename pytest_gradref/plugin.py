@@ -23,6 +23,7 @@ import pytest
 from pytest_gradref import hookspecs
 from pytest_gradref.backends import BackendRegistry, builtin_backends
 from pytest_gradref.device_coverage import USE_ATTRIBUTE, DeviceCoverage, device_use
+from pytest_gradref.header import header_once
 from pytest_gradref.markers import (
     ALL_MARKERS,
     DEVICE_MARKERS,
@@ -42,7 +43,6 @@ from pytest_gradref.settings import (
     BASELINE_REFRESH_HELP,
     BASELINE_REFRESH_INI,
     OPTIONS,
-    SEED_OPTION,
     THREADS_OPTION,
     parse_threads,
     read_setting,
@@ -203,32 +203,8 @@ def _distributing(config: pytest.Config) -> bool:
     return bool(numprocesses) and not is_xdist_worker(config)
 
 
-def _header_once(config: pytest.Config) -> list[str]:
-    """The gradref header line, the first time it is asked for after the setup is resolved:
-    in the header where the device was resolved at configure time, else after collection
-    (auto resolves once a collected test needs the device)."""
-    state = gradref_state(config)
-    if state.resolved is None or state.reported:
-        return []
-    state.reported = True
-    settings = state.settings
-    seed: int | str = (
-        settings.seed
-        if settings.seed is not None
-        else (
-            f"off (from {settings.source(SEED_OPTION)}: gradref leaves torch's seeding to the "
-            "suite)"
-        )
-    )
-    line = state.resolved.header_line(seed, settings.verdict)
-    plan = config.stash.get(threads_key, None)
-    if plan is not None and plan.count is not None:
-        line += f" threads={plan.count} ({plan.why})"
-    return [line]
-
-
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return _header_once(config)
+    return header_once(config)
 
 
 def _uses_gradref(item: pytest.Item) -> bool:
@@ -258,13 +234,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
-    return _header_once(config)
+    return header_once(config)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     # Seed before fixtures draw their tensors; only where torch is already loaded, so a run
-    # without gradient tests never imports it, and not where seeding is off.
+    # without gradient tests never imports it, not where seeding is off, and only the tests
+    # that use gradref unless the suite asks for every test (gradref_seed_every_test).
     if "torch" not in sys.modules:
         return
     state = gradref_state(item.config)
@@ -272,6 +249,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         del item.stash[seed_key]
     if state.settings.seed is None:
         return
+    if not state.settings.seed_every_test and not _uses_gradref(item):
+        return  # a test that does not use gradref keeps the suite's own random state
     seed = item.stash[seed_key] = seed_for_test(state.settings.seed, item.nodeid)
     if state.resolved is not None:
         state.resolved.backend.seed(seed)

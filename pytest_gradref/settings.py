@@ -78,14 +78,28 @@ DEVICE_OPTION = OptionSpec(
     "--gradref-device", "gradref_device", DEVICE_HELP, "GRADREF_DEVICE", "gradref_device"
 )
 SEED_HELP = (
-    "base seed: every test seeds torch from it and its node id, so it draws the same numbers "
-    "alone, in any order and on any xdist worker; off: gradref seeds nothing, for a suite that "
-    "seeds its own tests. Default: 0."
+    "base seed: every test that uses gradref (a gradref fixture or marker) seeds torch from it "
+    "and its node id, so it draws the same numbers alone, in any order and on any xdist "
+    "worker; off: gradref seeds nothing, for a suite that seeds its own tests. Default: 0."
 )
 # The seed setting that turns the plugin's per-test seeding off.
 SEED_OFF = "off"
 SEED_OPTION = OptionSpec(
     "--gradref-seed", "gradref_seed", SEED_HELP, "GRADREF_SEED", "gradref_seed"
+)
+SEED_EVERY_TEST_HELP = (
+    "seed every test of the session from the base seed, those that use no gradref fixture or "
+    "marker too (by default only the tests that use gradref are seeded, so that a suite "
+    "beside them keeps its own random state); true or false for the environment variable and "
+    "the ini key. Default: false."
+)
+SEED_EVERY_TEST_OPTION = OptionSpec(
+    "--gradref-seed-every-test",
+    "gradref_seed_every_test",
+    SEED_EVERY_TEST_HELP,
+    "GRADREF_SEED_EVERY_TEST",
+    "gradref_seed_every_test",
+    action="store_true",
 )
 REPORT_HELP = (
     "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
@@ -223,6 +237,7 @@ OPTIONS = (
     STRATEGY_OPTION,
     VERDICT_OPTION,
     SEED_OPTION,
+    SEED_EVERY_TEST_OPTION,
     SIMULATE_OPTION,
     SIMULATE_NUMERICS_OPTION,
     STRICT_DEVICE_OPTION,
@@ -440,6 +455,7 @@ class Settings:
             xdist worker the device the controller assigned may differ (state.py).
         strategy: the strategy; None for auto, the backend's default.
         seed: the base seed; None where seeding is off: the suite seeds its tests.
+        seed_every_test: whether tests that use no gradref fixture or marker are seeded too.
         verdict: golden or tolerance: how a test without a tolerance is judged.
         simulate: the device type simulated on the CPU (``--gradref-simulate``), or None.
         simulate_numerics: the simulated device's numerics, cpu or ascend.
@@ -458,6 +474,7 @@ class Settings:
     device: DeviceRequest
     strategy: StrategyChoice | None
     seed: int | None
+    seed_every_test: bool
     verdict: str
     simulate: str | None
     simulate_numerics: str
@@ -514,6 +531,7 @@ def read_settings(config: pytest.Config, registry: BackendRegistry) -> Settings:
         device=parse_device(raw[DEVICE_OPTION.dest], registry),
         strategy=parse_strategy(raw[STRATEGY_OPTION.dest]),
         seed=parse_seed(raw[SEED_OPTION.dest]),
+        seed_every_test=parse_flag(raw[SEED_EVERY_TEST_OPTION.dest]),
         verdict=parse_verdict(raw[VERDICT_OPTION.dest]),
         simulate=simulate,
         simulate_numerics=numerics,

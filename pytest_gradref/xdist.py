@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gradref.header import header_once
 from pytest_gradref.settings import DeviceRequest, Setting, parse_device
 from pytest_gradref.state import threads_key
 
@@ -102,6 +103,10 @@ class XdistHooks:
         if not self.workers:
             return
         terminalreporter.section("gradref workers")
+        # Under -q the header was not shown (and a controller collects nothing, where a
+        # plain run says it after collection): the header line heads the workers instead.
+        for line in header_once(terminalreporter.config):
+            terminalreporter.write_line(line)
         for workerid in sorted(self.workers, key=lambda w: int(w.removeprefix("gw"))):
             info = self.workers[workerid]
             physical = f", physical {info['physical']}" if info.get("physical") else ""

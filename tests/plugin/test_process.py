@@ -48,6 +48,7 @@ CONFIGURE_LAYER = {
         ".backends",
         ".device_coverage",
         ".diff",
+        ".header",
         ".hookspecs",
         ".inputs",
         ".markers",

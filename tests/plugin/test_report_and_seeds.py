@@ -450,7 +450,7 @@ import torch
 
 
 @pytest.mark.parametrize("i", range(4))
-def test_draw(i):
+def test_draw(i, gradref_device):
     path = os.path.join(os.environ["DRAWS_DIR"], f"draw{i}.json")
     with open(path, "w") as handle:
         json.dump(torch.rand(3).tolist(), handle)
@@ -485,3 +485,55 @@ def test_seed_shown_in_header_and_bad_seed_rejected(pytester: pytest.Pytester) -
     bad = pytester.runpytest("--gradref-seed=abc")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
     bad.stderr.fnmatch_lines(["*Invalid gradref seed 'abc' from the --gradref-seed option*"])
+
+
+# A suite beside the gradref tests: its conftest seeds torch once, at import, and its plain
+# test relies on that.
+SEEDED_AT_IMPORT = """
+import torch
+
+torch.manual_seed(123)
+"""
+PLAIN_BESIDE_GRADREF = """
+import torch
+
+
+def test_plain():
+    assert torch.initial_seed() == 123
+
+
+def test_gradref(gradref_device):
+    assert torch.initial_seed() != 123
+"""
+
+
+def test_only_the_tests_that_use_gradref_are_seeded(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(SEEDED_AT_IMPORT)
+    pytester.makepyfile(test_beside=PLAIN_BESIDE_GRADREF)
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-seed=5")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["gradref: *seed=5 (from the --gradref-seed option; the tests that use gradref)*"]
+    )
+    # The ini key (or the option) seeds every test again: the plain test's seed is gradref's.
+    pytester.makeini("[pytest]\ngradref_seed_every_test = true\n")
+    seeded = pytester.runpytest("-p", "no:randomly")
+    seeded.assert_outcomes(passed=1, failed=1)
+    seeded.stdout.fnmatch_lines(
+        ["gradref: *seed=0 (the default; every test, from the gradref_seed_every_test ini key*"]
+    )
+
+
+def test_the_header_is_shown_under_xdist_and_quiet(pytester: pytest.Pytester) -> None:
+    # -q shows no session header, and an xdist controller collects nothing: the line heads the
+    # workers' section instead, with each setting's source.
+    pytester.makepyfile("def test_x(gradref_device): pass")
+    result = pytester.runpytest_subprocess("-q", "-n", "2", "--gradref-seed=9")
+    result.stdout.fnmatch_lines(
+        [
+            "*= gradref workers =*",
+            "gradref: device=cpu (*; auto: first available) strategy=autograd (cpu default) "
+            "seed=9 (from the --gradref-seed option; the tests that use gradref)*",
+            "gw? -> cpu *",
+        ]
+    )
