@@ -21,7 +21,11 @@ if TYPE_CHECKING:
     from pytest_gradref.sharding import ShardedReference
     from pytest_gradref.strategies import Strategy, StrategyChoice
     from pytest_gradref.tolerances import DEFAULT_TOLERANCES, Tolerance
-    from pytest_gradref.warning_types import GoldenPrecisionWarning, GradrefWarning
+    from pytest_gradref.warning_types import (
+        GoldenPrecisionWarning,
+        GradrefWarning,
+        ZeroGradientWarning,
+    )
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -38,6 +42,7 @@ __all__ = [
     "Strategy",
     "StrategyChoice",
     "Tolerance",
+    "ZeroGradientWarning",
     "builtin_backend",
     "compute_reference",
 ]
@@ -58,6 +63,7 @@ _HOMES = {
     "Strategy": "strategies",
     "StrategyChoice": "strategies",
     "Tolerance": "tolerances",
+    "ZeroGradientWarning": "warning_types",
     "builtin_backend": "backends",
     "compute_reference": "computation",
 }

@@ -87,7 +87,7 @@ class ItemCheck:
 
 
 # What a failure says of an item whose actual result is None.
-MISSING_HINT = "did backward() reach it?"
+MISSING_HINT = "was the input a leaf with requires_grad=True, and did backward() reach it?"
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,12 @@ def device_mark(
     if not devices:
         raise MarkerError(f"@pytest.mark.{mark.name} needs at least one device name")
     for device in devices:
+        if isinstance(device, (list, tuple, set, frozenset)):
+            names = ", ".join(repr(d) for d in device)
+            raise MarkerError(
+                f"@pytest.mark.{mark.name} takes device names as separate arguments, not a "
+                f"{type(device).__name__}: write @pytest.mark.{mark.name}({names}, ...)"
+            )
         if not isinstance(device, str) or device not in known:
             raise MarkerError(
                 f"@pytest.mark.{mark.name} names unknown device {device!r}; "

@@ -9,6 +9,7 @@ judge them all, and fails with every item that differs.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Union
@@ -39,6 +40,7 @@ from pytest_gradref.numbers import check_number
 from pytest_gradref.recording import Disagreement, Recording
 from pytest_gradref.strategies import Strategy
 from pytest_gradref.tolerances import CheckPolicy, Tolerance, ToleranceOverride
+from pytest_gradref.warning_types import ZeroGradientWarning, user_stacklevel
 
 if TYPE_CHECKING:
     from pytest_gradref.differentiation import Result
@@ -197,6 +199,7 @@ class Reference:
             raise ValueError("assert_close(): aux_tolerances= needs the actual aux, as aux=")
         checks = check_items(items, statistics=self.policy.statistics)  # one host read
         checks = self._judge_with_spread(items, checks)
+        self._warn_of_zero_gradients(checks)
         checks += unpaired
         if self.recording is not None:
             self.recording.add_checks(checks)
@@ -269,6 +272,24 @@ class Reference:
         for position, check in zip(again, check_items(retried)):
             checks[position] = check
         return checks
+
+    def _warn_of_zero_gradients(self, checks: Sequence[ItemCheck]) -> None:
+        """A ZeroGradientWarning for each gradient whose scale, read with the checks, is 0:
+        the golden's (or, without one, the reference's) greatest magnitude."""
+        gradients = {*self.grad_labels, *(_param_label(name) for name in self.param_grads)}
+        for check in checks:
+            if check.label in gradients and check.scale == 0 and check.numel > 0:
+                warnings.warn(
+                    ZeroGradientWarning(
+                        f"the reference's {check.label} is zero everywhere"
+                        + (", and so is its golden's" if self.golden is not None else "")
+                        + ": does the reference use this input differentiably? An argmax, a "
+                        "comparison, .detach(), .item() or an integer cast on its path leaves "
+                        "no gradient, and the kernel's gradient is then checked against "
+                        "zeros. Where zeros are right, filter ZeroGradientWarning"
+                    ),
+                    stacklevel=user_stacklevel(),
+                )
 
     def _run_items(self, run: Result) -> dict[str, torch.Tensor]:
         """A run of the golden computation (a rounding spread's), item by item, by label."""
@@ -398,9 +419,12 @@ class Reference:
         ]
         if expected_grads:
             if actual_grads is None:
+                # Either no gradients were passed, or a leaf's .grad that backward() left None.
                 raise TypeError(
-                    f"assert_close(): this reference holds {len(expected_grads)} gradient(s) "
-                    f"({', '.join(self.grad_labels)}); pass them as actual_grads"
+                    f"assert_close(): actual_grads is None, but this reference holds "
+                    f"{len(expected_grads)} gradient(s) ({', '.join(self.grad_labels)}): pass "
+                    "the kernel's gradients as actual_grads. If you passed a tensor's .grad, "
+                    f"it is None: {MISSING_HINT}"
                 )
             if isinstance(actual_grads, torch.Tensor):
                 actual_tuple: tuple[torch.Tensor | None, ...] = (actual_grads,)

@@ -21,6 +21,13 @@ class GoldenPrecisionWarning(GradrefWarning):
     ``.float()``), so budgets are measured against a golden of the dtype obtained."""
 
 
+class ZeroGradientWarning(GradrefWarning):
+    """A reference's gradient is zero everywhere (its golden's too, where there is one): the
+    reference function does not use that input differentiably (an argmax, a comparison,
+    ``.detach()``, ``.item()`` or an integer cast on its path), so a kernel's gradient is
+    checked against zeros."""
+
+
 def user_stacklevel() -> int:
     """The ``stacklevel`` for a ``warnings.warn`` made by the caller of this function that
     attributes the warning to the first frame outside pytest_gradref: the test's line that

@@ -215,6 +215,12 @@ def test_strict(grad_reference):
             id="skip-unknown-device",
         ),
         pytest.param(
+            '@pytest.mark.gradref_xfail(["npu", "cuda"], reason="r")',
+            "@pytest.mark.gradref_xfail takes device names as separate arguments, not a list: "
+            "write @pytest.mark.gradref_xfail('npu', 'cuda', ...)",
+            id="xfail-device-list",
+        ),
+        pytest.param(
             "@pytest.mark.gradref_only(torch.device('cpu'))",
             "@pytest.mark.gradref_only names unknown device device(type='cpu'); registered *",
             id="only-device-object",
