@@ -63,6 +63,7 @@ def compute_reference(
     params: ParamSelection = None,
     rounded: bool = False,
     default_golden: torch.dtype | None = None,
+    cotangent: torch.Tensor | None = None,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
@@ -78,6 +79,11 @@ def compute_reference(
     count from the larger of the two references' errors. ``default_golden`` is the golden
     computed where none is asked for and the compute dtype is less precise (the default
     verdict's float64): a reference of float64 inputs gets none.
+
+    fn returns a scalar loss, or a tensor output, whose gradients are then the
+    vector-Jacobian product with ``cotangent`` (by default a seeded standard normal draw of
+    the output's shape and dtype, ``Reference.cotangent``, for the kernel's own backward).
+    ``argnums=()`` on a function computes fn's value and aux alone (a value-only reference).
     """
     __tracebackhide__ = True
     if strategy not in STRATEGY_CHOICES:
@@ -99,7 +105,16 @@ def compute_reference(
         raise TypeError(
             f"params= chooses an nn.Module's parameters, and {describe(fn)} is not a module"
         )
-    problem = Problem(fn, args, dict(kwargs), positions, has_aux, selected, frozen, buffers)
+    if cotangent is not None and not isinstance(cotangent, torch.Tensor):
+        raise TypeError(f"cotangent must be a tensor, got {type(cotangent).__name__}")
+    problem = Problem(
+        fn, args, dict(kwargs), positions, has_aux, selected, frozen, buffers, cotangent=cotangent
+    )
+    if cotangent is not None and not problem.differentiates:
+        raise ValueError(
+            "cotangent= is for gradients, and this reference computes none (argnums=() on a "
+            "function): drop cotangent=, or name the inputs to differentiate in argnums"
+        )
     signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
     labels = _argument_labels(signature_source, len(args), positions)
     compute = _compute_dtype(
@@ -118,6 +133,9 @@ def compute_reference(
 
     primary: Strategy = default_strategy if strategy == "crosscheck" else strategy
     result = STRATEGY_FUNCTIONS[primary](problem)
+    # Every later run (the other strategy, the golden, the spread, the rounded reference)
+    # takes the same cotangent as the first.
+    problem = replace(problem, cotangent=result.cotangent)
     crosscheck = None
     if strategy == "crosscheck":
         other_strategy = next(s for s in STRATEGIES if s != primary)
@@ -140,9 +158,9 @@ def compute_reference(
             param_grads=computed.param_grads,
             aux=computed.aux,
             obtained=obtained,
-            value_condition=value_condition(
-                upcast, computed.value, computed.arg_grads, computed.param_grads
-            ),
+            value_condition=None
+            if problem.cotangent is not None
+            else value_condition(upcast, computed.value, computed.arg_grads, computed.param_grads),
             spread=Spread(
                 problem,
                 STRATEGY_FUNCTIONS[primary],
@@ -171,6 +189,7 @@ def compute_reference(
         compute=compute,
         rounded=rounded_result,
         recording=recording,
+        cotangent=result.cotangent,
     )
 
 
@@ -223,10 +242,6 @@ def normalize_argnums(
     if isinstance(argnums, bool) or not isinstance(argnums, (int, tuple, list)):
         raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
     raw = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not raw and not is_module:
-        raise ValueError(
-            f"argnums=() asks for no gradients; name at least one tensor argument of {describe(fn)}"
-        )
     count = len(args)
     normalized: list[int] = []
     for index in raw:

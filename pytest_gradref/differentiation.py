@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -46,6 +46,16 @@ class Problem:
     # Entered around fn and its differentiation, not around the plugin's own bookkeeping
     # (fresh buffers, zero gradients): the rounded reference's dispatch mode (rounding.py).
     mode: Callable[[], AbstractContextManager[object]] = nullcontext
+    # What a tensor output's gradients are the vector-Jacobian product with: the test's, or,
+    # once the first run drew it (draw_cotangent), the same for every later run (the golden's
+    # upcast). None: a scalar loss, differentiated as it is, or an output not yet seen.
+    cotangent: torch.Tensor | None = None
+
+    @property
+    def differentiates(self) -> bool:
+        """Whether anything is differentiated: a value-only reference (argnums=() on a
+        function) computes fn's value and aux alone."""
+        return bool(self.argnums or self.params)
 
     def fresh_buffers(self) -> dict[str, torch.Tensor]:
         return {name: buffer.clone() for name, buffer in self.buffers.items()}
@@ -91,47 +101,103 @@ class Problem:
                 else ""
             )
             raise TypeError(
-                f"{name} must return a scalar loss tensor, it returned {type(loss).__name__}{hint}"
-            )
-        if loss.numel() != 1:
-            raise ValueError(
-                f"{name} returned a tensor of shape {tuple(loss.shape)}; the loss must be a "
-                "scalar (0-dim or one element): reduce it, e.g. with .sum() or .mean()"
+                f"{name} must return a tensor (a loss, or an output its gradients are a "
+                f"vector-Jacobian product of), it returned {type(loss).__name__}{hint}"
             )
         if not loss.is_floating_point():
-            raise TypeError(f"{name} returned a {loss.dtype} loss; it must be floating-point")
-        return loss.reshape(()), aux
+            raise TypeError(f"{name} returned a {loss.dtype} output; it must be floating-point")
+        if self.cotangent is not None:
+            check_cotangent(self.cotangent, loss, name)
+            return loss, aux
+        if loss.numel() == 1:
+            return loss.reshape(()), aux  # a scalar loss
+        return loss, aux
 
 
 @dataclass(frozen=True)
 class Result:
-    """What one strategy computed: fn's value and aux, and the gradients."""
+    """What one strategy computed: fn's value (a scalar loss, or a tensor output) and aux,
+    the gradients, and the cotangent they are the vector-Jacobian product with (None for a
+    scalar loss differentiated as it is)."""
 
     value: torch.Tensor
     aux: Any
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: dict[str, torch.Tensor]
+    cotangent: torch.Tensor | None = None
+
+
+# The cotangents a reference draws come from their own generator, so that drawing one leaves
+# the test's random state alone, and every run draws the same.
+COTANGENT_SEED = 0
+
+
+def draw_cotangent(output: torch.Tensor) -> torch.Tensor:
+    """A cotangent for a tensor output: standard normal draws of its shape and dtype on its
+    device, from a generator seeded with COTANGENT_SEED (on the CPU, then moved: every
+    device gets the same numbers)."""
+    generator = torch.Generator().manual_seed(COTANGENT_SEED)
+    draws = torch.randn(output.shape, generator=generator, dtype=torch.float64)
+    return draws.to(device=output.device, dtype=output.dtype)
+
+
+def check_cotangent(cotangent: Any, output: torch.Tensor, name: str) -> None:
+    """A cotangent must be a tensor of the output's shape and dtype."""
+    __tracebackhide__ = True
+    if not isinstance(cotangent, torch.Tensor):
+        raise TypeError(f"cotangent must be a tensor, got {type(cotangent).__name__}")
+    if cotangent.shape != output.shape or cotangent.dtype != output.dtype:
+        raise ValueError(
+            f"cotangent= has shape {tuple(cotangent.shape)} and dtype {cotangent.dtype}, but "
+            f"{name} returned shape {tuple(output.shape)} and dtype {output.dtype}: a cotangent "
+            "takes the output's shape and dtype"
+        )
+
+
+def _cotangent_for(problem: Problem, output: torch.Tensor) -> torch.Tensor | None:
+    """The cotangent an output's gradients are taken with: the problem's, a fresh draw for a
+    tensor output, None for a scalar loss."""
+    if problem.cotangent is not None:
+        return problem.cotangent.to(device=output.device, dtype=output.dtype)
+    if output.dim() == 0:
+        return None
+    return draw_cotangent(output)
+
+
+def _detached(aux: Any) -> Any:
+    """aux with its tensors detached, as torch.func returns it."""
+    return tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, aux)
+
+
+def _value_only(problem: Problem) -> Result:
+    """fn's value and aux, nothing differentiated: the same under both strategies."""
+    __tracebackhide__ = True
+    with torch.no_grad(), problem.mode():
+        value, aux = problem.split(problem.call((), {}, problem.fresh_buffers()))
+    return Result(value=value.detach(), aux=_detached(aux), arg_grads=(), param_grads={})
 
 
 def _by_autograd(problem: Problem) -> Result:
     __tracebackhide__ = True
+    if not problem.differentiates:
+        return _value_only(problem)
     leaves = [problem.args[i].detach().requires_grad_(True) for i in problem.argnums]
     params = {n: p.detach().requires_grad_(True) for n, p in problem.params.items()}
     inputs = [*leaves, *params.values()]
     buffers = problem.fresh_buffers()
     with torch.enable_grad(), problem.mode():
         loss, aux = problem.split(problem.call(leaves, params, buffers))
+        cotangent = _cotangent_for(problem, loss)
         found: Sequence[torch.Tensor | None] = [None] * len(inputs)
-        if loss.requires_grad and inputs:  # else nothing differentiable reached the loss
-            found = torch.autograd.grad(loss, inputs, allow_unused=True)
+        if loss.requires_grad:  # else nothing differentiable reached the loss
+            found = torch.autograd.grad(loss, inputs, grad_outputs=cotangent, allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)]
-    # aux comes back detached, as torch.func returns it.
-    aux = tree_map(lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, aux)
     return Result(
         value=loss.detach(),
-        aux=aux,
+        aux=_detached(aux),
         arg_grads=tuple(grads[: len(leaves)]),
         param_grads=dict(zip(params, grads[len(leaves) :])),
+        cotangent=cotangent,
     )
 
 
@@ -147,19 +213,47 @@ def _by_grad_and_value(problem: Problem) -> Result:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         __tracebackhide__ = True
         loss, aux = problem.split(problem.call(diff_args, diff_params, buffers))
+        if scalar_only and loss.dim() != 0:
+            raise _TensorOutput
         leaves, spec = tree_flatten(aux)
         aux_parts.update(leaves=leaves, spec=spec)
         return loss, tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
-    transform = torch.func.grad_and_value(loss_and_aux, argnums=(0, 1), has_aux=True)
+    if not problem.differentiates:
+        return _value_only(problem)
     diff_args = tuple(problem.args[i].detach() for i in problem.argnums)
     diff_params = {n: p.detach() for n, p in problem.params.items()}
     buffers = problem.fresh_buffers()
+    cotangent = None
+    # A scalar loss goes through grad_and_value, as the kernels under test do; a tensor output
+    # (or a cotangent the test gave) through vjp. A tensor output not yet seen is found on
+    # the first try, which then starts again (once per reference: its cotangent is kept).
+    scalar_only = problem.cotangent is None
     try:
         with problem.mode():
-            (arg_grads, param_grads), (value, aux_tensors) = transform(
-                diff_args, diff_params, buffers
-            )
+            if scalar_only:
+                try:
+                    transform = torch.func.grad_and_value(
+                        loss_and_aux, argnums=(0, 1), has_aux=True
+                    )
+                    (arg_grads, param_grads), (value, aux_tensors) = transform(
+                        diff_args, diff_params, buffers
+                    )
+                except _TensorOutput:
+                    scalar_only = False
+            if not scalar_only:
+                # With has_aux, vjp returns (output, pullback, aux); its stubs say a pair.
+                value, pullback, aux_tensors = cast(
+                    "tuple[Any, Any, Any]",
+                    torch.func.vjp(
+                        lambda a, p: loss_and_aux(a, p, problem.fresh_buffers()),
+                        diff_args,
+                        diff_params,
+                        has_aux=True,
+                    ),
+                )
+                cotangent = _cotangent_for(problem, value)
+                arg_grads, param_grads = pullback(cotangent)
     except RuntimeError as error:
         if "setup_context" in str(error):
             raise RuntimeError(
@@ -179,7 +273,13 @@ def _by_grad_and_value(problem: Problem) -> Result:
         aux=tree_unflatten(leaves, aux_parts["spec"]),
         arg_grads=tuple(arg_grads),
         param_grads=dict(param_grads),
+        cotangent=cotangent,
     )
+
+
+class _TensorOutput(Exception):
+    """fn returned a tensor output where grad_and_value needs a scalar: its vector-Jacobian
+    product is taken instead (torch.func.vjp)."""
 
 
 # What runs each strategy (crosscheck runs both).

@@ -67,9 +67,16 @@ class GradReference:
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
         rounded: bool | None = None,
+        cotangent: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Reference:
         """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
+
+        fn returns a scalar loss, or a tensor output (a per-token loss, a norm's output):
+        then the gradients are the vector-Jacobian product with ``cotangent``, by default a
+        seeded draw of the output's shape and dtype, ``Reference.cotangent``, which the
+        kernel's backward takes too (``out.backward(ref.cotangent)``). ``argnums=()`` on a
+        function gives fn's value and aux alone (a value-only reference).
 
         fn may be an nn.Module: then gradients w.r.t. its parameters come too, in
         ``Reference.param_grads``: those that require grad, or those ``params`` names (a
@@ -82,7 +89,7 @@ class GradReference:
         """
         __tracebackhide__ = True
         return self._compute(
-            self.strategy, fn, args, kwargs, argnums, has_aux, golden, params, rounded
+            self.strategy, fn, args, kwargs, argnums, has_aux, golden, params, rounded, cotangent
         )
 
     def kernel(
@@ -95,6 +102,7 @@ class GradReference:
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
         rounded: bool | None = None,
+        cotangent: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> Reference:
         """Like calling the fixture, for a reference that is itself a kernel: another
@@ -114,7 +122,17 @@ class GradReference:
         if self.strategy == "crosscheck" and self.recording is not None:
             self.recording.crosscheck_opt_out = "a kernel reference (grad_reference.kernel)"
         return self._compute(
-            "autograd", fn, args, kwargs, argnums, has_aux, golden, params, rounded, False
+            "autograd",
+            fn,
+            args,
+            kwargs,
+            argnums,
+            has_aux,
+            golden,
+            params,
+            rounded,
+            cotangent,
+            default_golden=False,
         )
 
     def _compute(
@@ -128,6 +146,7 @@ class GradReference:
         golden: torch.dtype | None,
         params: ParamSelection,
         rounded: bool | None,
+        cotangent: torch.Tensor | None,
         default_golden: bool = True,
     ) -> Reference:
         """compute_reference under this fixture's policy, with the call's golden dtype and
@@ -155,6 +174,7 @@ class GradReference:
             golden_device=golden_device,
             rounded=rounded if rounded is not None else self.rounded,
             default_golden=automatic,
+            cotangent=cotangent,
         )
         if self.recording is not None:
             # After the reference, which validated the arguments and never changes them.

@@ -197,6 +197,7 @@ def golden_problem(problem: Problem, dtype: torch.dtype, device: torch.device | 
         params=cast(problem.params),
         frozen=cast(problem.frozen),
         buffers=cast(problem.buffers),
+        cotangent=cast(problem.cotangent),
     )
 
 

@@ -52,12 +52,13 @@ ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Mo
 
 @dataclass(frozen=True, eq=False)
 class Reference:
-    """A reference loss value and its gradients.
+    """A reference value (a scalar loss, or a tensor output) and its gradients.
 
     Attributes:
-        value: the loss, detached.
+        value: the loss, or the tensor output, detached.
         grads: gradients w.r.t. ``args[argnums]``: one tensor when argnums is an int, else a
-            tuple aligned with argnums.
+            tuple aligned with argnums (empty for a value-only reference, ``argnums=()``).
+            For a tensor output, the vector-Jacobian product with ``cotangent``.
         param_grads: gradients w.r.t. the named parameters when fn is an nn.Module.
         aux: fn's auxiliary output when ``has_aux=True``.
         strategy: the strategy that produced value and grads.
@@ -72,6 +73,9 @@ class Reference:
             when ``rounded=True`` was asked for; a budget then counts from the larger of its
             error and the reference's.
         recording: where the test's checks are recorded for the report (None: nowhere).
+        cotangent: for a tensor output, the cotangent its gradients are taken with (drawn,
+            seeded, of the output's shape and dtype, unless the test gave one), for the
+            kernel's own backward: ``out.backward(ref.cotangent)``; None for a scalar loss.
     """
 
     value: torch.Tensor
@@ -87,6 +91,9 @@ class Reference:
     compute: ComputeDtype | None = None
     rounded: Rounded | None = None
     recording: Recording | None = field(default=None, repr=False)
+    # For a tensor output: what its gradients are the vector-Jacobian product with, for the
+    # kernel's own backward (``out.backward(ref.cotangent)``); None for a scalar loss.
+    cotangent: torch.Tensor | None = None
 
     def assert_close(
         self,
@@ -417,6 +424,12 @@ class Reference:
                 MISSING_HINT,
             )
         ]
+        if not expected_grads and not self.param_grads and actual_grads is not None:
+            raise TypeError(
+                "assert_close(): this reference holds no gradients (argnums=(): a value-only "
+                "reference), but actual_grads were given; drop them, or compute the reference "
+                "with the inputs to differentiate in argnums"
+            )
         if expected_grads:
             if actual_grads is None:
                 # Either no gradients were passed, or a leaf's .grad that backward() left None.

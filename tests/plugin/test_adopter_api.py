@@ -290,12 +290,15 @@ def test_golden_cast_down(grad_reference):
 def test_golden_less_precise_than_requested(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(GOLDEN)
     result = pytester.runpytest("-p", "no:randomly", "--gradref-report=report.json")
-    result.assert_outcomes(passed=1, warnings=1)
+    # Two warnings: the golden's precision, and the reference's gradient, zero everywhere
+    # (through Python numbers, x reaches the result undifferentiated).
+    result.assert_outcomes(passed=1, warnings=2)
     result.stdout.fnmatch_lines(
         [
             "*GoldenPrecisionWarning: golden=torch.float64 was requested, but casting_reference "
             "returned torch.float32 even with its casts and dtype= arguments promoted to "
             "float64*",
+            "*ZeroGradientWarning: the reference's gradient of argument 0 (x) is zero everywhere*",
         ]
     )
     report = json.loads((pytester.path / "report.json").read_text())
