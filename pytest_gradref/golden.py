@@ -15,6 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -54,18 +55,21 @@ def compute_golden(
 ) -> tuple[Result, Problem]:
     """The golden result by ``strategy`` and the problem that gave it: ``problem`` itself
     where fn computes in the golden dtype throughout, else ``problem`` under PromoteToGolden:
-    where fn returned a value or aux less precise than ``dtype`` (it casts inside) or failed
-    (a module or tensor it reaches besides its arguments met the upcast inputs). The second
-    run is paid only by references that need it. Where that fails too, the first error is
+    where fn computed something less precise than ``dtype`` (it casts inside, even where it
+    casts back at the end: LowerPrecisionWatch) or failed (a module or tensor it reaches
+    besides its arguments met the upcast inputs). The second run is paid only by references
+    that need it. Where that fails too, the first error is
     raised."""
     __tracebackhide__ = True
     first: RuntimeError | None = None
+    watch = LowerPrecisionWatch(dtype)
     try:
-        result = strategy(problem)
+        result = strategy(replace(problem, mode=lambda: watch))
     except RuntimeError as error:
         first = error
     else:
-        if epsilon(obtained_dtype(result.value, result.aux)) <= epsilon(dtype):
+        precise = epsilon(obtained_dtype(result.value, result.aux)) <= epsilon(dtype)
+        if precise and not watch.seen:
             return result, problem
     promoted = replace(problem, mode=partial(PromoteToGolden, dtype))
     try:
@@ -127,6 +131,38 @@ def _upcast(value: Any, dtype: torch.dtype, device: torch.device | None) -> Any:
 
 
 # torch's dispatch-mode base class is untyped.
+class LowerPrecisionWatch(TorchFunctionMode):
+    """Notes whether a reference's forward computes anything less precise than the golden
+    dtype: a ``.float()``, a ``dtype=`` argument, a tensor made in float32. A reference that
+    casts back at the end (``.to(x.dtype)``, the input's dtype, float64 in the golden's run)
+    returns a float64 result computed in float32, which its result's dtype cannot tell. Only
+    the torch calls of the reference's own code pass through a function mode, not the
+    operations of its backward, so watching costs a few microseconds a call; a false alarm (a
+    float32 tensor made and promoted at once) costs the promoted run, nothing else."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._epsilon = epsilon(dtype)
+        self.seen = False
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if not self.seen:
+            self.seen = any(
+                isinstance(leaf, torch.Tensor)
+                and leaf.is_floating_point()
+                and epsilon(leaf.dtype) > self._epsilon
+                for leaf in tree_leaves(result)
+            )
+        return result
+
+
 class PromoteToGolden(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Runs a reference's operations in the golden dtype where it would run them lower.
 

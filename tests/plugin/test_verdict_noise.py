@@ -291,6 +291,28 @@ def test_a_reference_that_casts_inside_gets_a_float64_golden() -> None:
     assert exact.dtype == torch.float32  # what the golden was before: float32
 
 
+def casting_back_loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Computes in float32 and returns the inputs' dtype, as reference utilities do: in the
+    golden's run the result is float64, computed in float32."""
+    logits = x.float() @ w.float().T
+    return (logits.softmax(-1) * logits).sum().to(x.dtype)
+
+
+def test_a_reference_that_casts_back_at_the_end_gets_a_float64_golden() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=gen).bfloat16()
+    w = torch.randn(32, 16, generator=gen).bfloat16()
+    ref = reference(casting_back_loss, x, w, argnums=(0, 1))
+    assert ref.golden is not None
+    logits = x.double() @ w.double().T
+    by_hand = (logits.softmax(-1) * logits).sum()
+    assert float(ref.golden.value) == pytest.approx(float(by_hand), rel=1e-12)
+    # Without the promotion, the golden carries float32's rounding.
+    assert float(casting_back_loss(x.double(), w.double())) != pytest.approx(
+        float(by_hand), rel=1e-12
+    )
+
+
 def test_modules_reached_through_the_arguments_or_closed_over_are_promoted() -> None:
     gen = torch.Generator().manual_seed(0)
     module = torch.nn.Linear(4, 3)
