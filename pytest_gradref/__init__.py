@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from pytest_gradref.ranks import RankContext
     from pytest_gradref.recording import Disagreement
     from pytest_gradref.reference import Reference
-    from pytest_gradref.sharding import ShardedReference
+    from pytest_gradref.sharding import RankGradReference, ShardedReference
     from pytest_gradref.strategies import Strategy, StrategyChoice
-    from pytest_gradref.tolerances import DEFAULT_TOLERANCES, Tolerance
+    from pytest_gradref.tolerances import DEFAULT_TOLERANCES, CheckPolicy, Tolerance
     from pytest_gradref.warning_types import (
         GoldenPrecisionWarning,
         GradrefWarning,
@@ -32,11 +32,13 @@ __all__ = [
     "UNCHECKED",
     "Backend",
     "BackendRegistry",
+    "CheckPolicy",
     "Disagreement",
     "GoldenPrecisionWarning",
     "GradReference",
     "GradrefWarning",
     "RankContext",
+    "RankGradReference",
     "Reference",
     "ShardedReference",
     "Strategy",
@@ -53,11 +55,13 @@ _HOMES = {
     "UNCHECKED": "auxiliary",
     "Backend": "backends",
     "BackendRegistry": "backends",
+    "CheckPolicy": "tolerances",
     "Disagreement": "recording",
     "GoldenPrecisionWarning": "warning_types",
     "GradReference": "fixture",
     "GradrefWarning": "warning_types",
     "RankContext": "ranks",
+    "RankGradReference": "sharding",
     "Reference": "reference",
     "ShardedReference": "sharding",
     "Strategy": "strategies",

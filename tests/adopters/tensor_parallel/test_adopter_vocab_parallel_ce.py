@@ -33,7 +33,7 @@ import vocab_parallel_ce
 from torch import Tensor
 from vocab_parallel_ce import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
-from pytest_gradref import GradReference, RankContext
+from pytest_gradref import RankContext, RankGradReference
 
 ROWS = (2, 6)  # (batch, tokens): logits (2, 6, V), sharded along V
 LOGIT_SCALE = 2.0
@@ -79,7 +79,7 @@ def run_sharded(
 def check(
     rank: RankContext,
     device: torch.device,
-    grad_reference: GradReference,
+    grad_reference: RankGradReference,
     dtype: torch.dtype,
     vocab: int,
     **options: Any,
@@ -107,7 +107,7 @@ CASES = [
 def test_matches_cross_entropy_on_the_full_logits(
     gradref_rank: RankContext,
     gradref_device: torch.device,
-    grad_reference: GradReference,
+    grad_reference: RankGradReference,
     dtype: torch.dtype,
     vocab: int,
     options: dict[str, Any],
@@ -202,7 +202,7 @@ def even_split_vocab_range(
 def test_a_dropped_all_reduce_is_caught(
     gradref_rank: RankContext,
     gradref_device: torch.device,
-    grad_reference: GradReference,
+    grad_reference: RankGradReference,
     index: int,
     differ: str,
 ) -> None:
@@ -216,7 +216,7 @@ def test_a_dropped_all_reduce_is_caught(
 
 @pytest.mark.gradref_ranks(2)
 def test_an_even_split_offset_is_caught_on_rank_1(
-    gradref_rank: RankContext, gradref_device: torch.device, grad_reference: GradReference
+    gradref_rank: RankContext, gradref_device: torch.device, grad_reference: RankGradReference
 ) -> None:
     with mock.patch.object(vocab_parallel_ce, "vocab_range", even_split_vocab_range):
         check(gradref_rank, gradref_device, grad_reference, torch.float32, 32)  # equal shards
