@@ -12,7 +12,6 @@ explicitly, or when torch is already loaded.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Generator
@@ -43,9 +42,6 @@ from pytest_gradref.settings import (
     BASELINE_REFRESH_HELP,
     BASELINE_REFRESH_INI,
     OPTIONS,
-    THREADS_OPTION,
-    parse_threads,
-    read_setting,
     read_settings,
     read_simulation,
     seed_for_test,
@@ -59,13 +55,7 @@ from pytest_gradref.state import (
     state_key,
     threads_key,
 )
-from pytest_gradref.threads import (
-    OMP_ENV,
-    apply_threads,
-    plan_threads,
-    usable_cores,
-    xdist_worker_count,
-)
+from pytest_gradref.threads import OMP_ENV, apply_threads, plan_threads, usable_cores
 from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
 from pytest_gradref.xdist import XdistHooks, worker_device_request
 
@@ -102,22 +92,18 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # (transformers caches is_torch_npu_available() on its first call). So far the command
     # line is parsed into known_args_namespace only; read_settings reads the same again, with
     # the rest, at configure time.
-    # The thread count first, so that it reaches torch through OMP_NUM_THREADS where nothing
-    # imported torch yet.
-    _apply_threads(early_config, early_config.known_args_namespace)
     simulate, numerics = read_simulation(early_config, early_config.known_args_namespace)
     _install_simulation(early_config, simulate, numerics, after_conftests=False)
 
 
-def _apply_threads(config: pytest.Config, namespace: argparse.Namespace | None = None) -> None:
-    """Apply the threads setting once per process (threads.py), and keep the plan for the
-    header."""
-    if threads_key in config.stash:
-        return
-    choice = parse_threads(read_setting(config, THREADS_OPTION, namespace))
-    plan = plan_threads(
-        choice, xdist_worker_count(), usable_cores(), os.environ.get(OMP_ENV, "").strip()
-    )
+def _apply_threads(config: pytest.Config, threads: int | str) -> None:
+    """Apply the threads setting (threads.py) in this process, an xdist worker's share where
+    it is one, and keep the plan for the header. At configure time: only then does a worker
+    know it is one (the worker variables of pytest-xdist are inherited by every process a
+    test starts, pytester's runs included)."""
+    workerinput = getattr(config, "workerinput", None)
+    workers = int(workerinput["workercount"]) if workerinput else None
+    plan = plan_threads(threads, workers, usable_cores(), os.environ.get(OMP_ENV, "").strip())
     apply_threads(plan)
     config.stash[threads_key] = plan
 
@@ -164,7 +150,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
     # was loaded late, from a conftest: still before any backend is probed.
     _install_simulation(config, settings.simulate, settings.simulate_numerics, after_conftests=True)
-    _apply_threads(config)  # where the plugin loaded late, from a conftest
+    _apply_threads(config, settings.threads)
     for line in MARKER_LINES:
         config.addinivalue_line("markers", line)
     # An xdist worker takes the device its controller chose instead.

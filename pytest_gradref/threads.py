@@ -6,10 +6,11 @@ an operator's threads wait on each other at every parallel region: on this repos
 small operators (a reference's randomly rounded runs, a kernel's chunks) ran 3 to 4 times slower
 than with one thread per worker. ``split`` gives each worker its share of the cores instead.
 
-The count is applied where the process starts (``pytest_load_initial_conftests``): through
-``OMP_NUM_THREADS`` where torch is not imported yet, which the processes a test starts
-(pytester's subprocesses, a multi-rank test's ranks) inherit too, and through
-``torch.set_num_threads`` where it is. Nothing here imports torch.
+The count is applied at configure time, where an xdist worker knows it is one: through
+``torch.set_num_threads`` where torch is imported already (a conftest that imports it), and
+through ``OMP_NUM_THREADS``, which torch reads when it is imported later and which the
+processes a test starts (pytester's subprocesses, a multi-rank test's ranks) inherit. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -62,15 +63,6 @@ def plan_threads(
         return ThreadPlan(None, "torch's own count: one test process")
     count = max(cores // workers, 1)
     return ThreadPlan(count, f"split: {cores} cores among {workers} xdist workers")
-
-
-def xdist_worker_count() -> int | None:
-    """How many xdist workers the session has, in a worker (None elsewhere): pytest-xdist
-    sets the variable before the worker's configuration is made."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return None
-    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    return int(count) if count.isdigit() else None
 
 
 def apply_threads(plan: ThreadPlan) -> None:
