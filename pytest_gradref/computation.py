@@ -21,7 +21,14 @@ from torch.utils._pytree import tree_leaves
 
 from pytest_gradref.auxiliary import AuxLeaf, AuxValue, aux_items, pair_aux
 from pytest_gradref.compare import ItemCheck, ToleranceItem, check_items
-from pytest_gradref.differentiation import STRATEGY_FUNCTIONS, Problem, Result, describe
+from pytest_gradref.differentiation import (
+    STRATEGY_FUNCTIONS,
+    Outputs,
+    Problem,
+    Result,
+    describe,
+    value_items,
+)
 from pytest_gradref.dtypes import ComputeDtype, epsilon, is_inexact
 from pytest_gradref.golden import (
     Golden,
@@ -63,7 +70,7 @@ def compute_reference(
     params: ParamSelection = None,
     rounded: bool = False,
     default_golden: torch.dtype | None = None,
-    cotangent: torch.Tensor | None = None,
+    cotangent: Outputs | None = None,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
@@ -105,10 +112,22 @@ def compute_reference(
         raise TypeError(
             f"params= chooses an nn.Module's parameters, and {describe(fn)} is not a module"
         )
-    if cotangent is not None and not isinstance(cotangent, torch.Tensor):
-        raise TypeError(f"cotangent must be a tensor, got {type(cotangent).__name__}")
+    if cotangent is not None and not isinstance(cotangent, (torch.Tensor, tuple)):
+        raise TypeError(
+            f"cotangent must be a tensor (a tuple of them for several outputs), got "
+            f"{type(cotangent).__name__}"
+        )
     problem = Problem(
-        fn, args, dict(kwargs), positions, has_aux, selected, frozen, buffers, cotangent=cotangent
+        fn,
+        args,
+        dict(kwargs),
+        positions,
+        has_aux,
+        selected,
+        frozen,
+        buffers,
+        cotangent=cotangent,
+        cotangent_given=cotangent is not None,
     )
     if cotangent is not None and not problem.differentiates:
         raise ValueError(
@@ -135,7 +154,7 @@ def compute_reference(
     result = STRATEGY_FUNCTIONS[primary](problem)
     # Every later run (the other strategy, the golden, the spread, the rounded reference)
     # takes the same cotangent as the first.
-    problem = replace(problem, cotangent=result.cotangent)
+    problem = replace(problem, cotangent=result.cotangent, cotangent_given=False)
     crosscheck = None
     if strategy == "crosscheck":
         other_strategy = next(s for s in STRATEGIES if s != primary)
@@ -152,7 +171,7 @@ def compute_reference(
         check_golden_obtained(fn, golden, obtained, recording)
         golden_result = Golden(
             dtype=golden,
-            device=computed.value.device,
+            device=value_items(computed.value)[0][1].device,
             value=computed.value,
             arg_grads=computed.arg_grads,
             param_grads=computed.param_grads,
@@ -394,7 +413,12 @@ def _crosscheck(
         missing = f"{checked_against}'s aux holds None here"
         return ToleranceItem(label, actual, expected, tolerance, missing, check_dtype=False)
 
-    found: list[ToleranceItem | AuxValue] = [item("value", result.value, other.value)]
+    found: list[ToleranceItem | AuxValue] = [
+        item(label, actual, expected)
+        for (label, actual), (_, expected) in zip(
+            value_items(result.value), value_items(other.value)
+        )
+    ]
     found += map(item, labels, result.arg_grads, other.arg_grads)
     found += [
         item(f"gradient of parameter {name!r}", grad, other.param_grads[name])

@@ -13,12 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Union, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from pytest_gradref.strategies import Strategy
+
+# What a reference function returns, its aux aside: a tensor (a scalar loss, or an output),
+# or a tuple of tensor outputs.
+Outputs = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
 def describe(fn: Callable[..., Any]) -> str:
@@ -49,7 +53,10 @@ class Problem:
     # What a tensor output's gradients are the vector-Jacobian product with: the test's, or,
     # once the first run drew it (draw_cotangent), the same for every later run (the golden's
     # upcast). None: a scalar loss, differentiated as it is, or an output not yet seen.
-    cotangent: torch.Tensor | None = None
+    cotangent: Outputs | None = None
+    # Whether the test gave the cotangent (checked against the output's shape and dtype), or
+    # it comes from the first run (cast to each later run's output dtype: the golden's).
+    cotangent_given: bool = False
 
     @property
     def differentiates(self) -> bool:
@@ -75,7 +82,7 @@ class Problem:
             return torch.func.functional_call(self.fn, state, tuple(full), self.kwargs)  # type: ignore[arg-type]
         return self.fn(*full, **self.kwargs)
 
-    def split(self, out: Any) -> tuple[torch.Tensor, Any]:
+    def split(self, out: Any) -> tuple[Outputs, Any]:
         __tracebackhide__ = True
         name = describe(self.fn)
         if self.has_aux:
@@ -94,6 +101,17 @@ class Problem:
             loss, aux = out
         else:
             loss, aux = out, None
+        if _is_tensor_tuple(loss):
+            # A tuple of outputs: each a tensor, and their gradients one vector-Jacobian product.
+            outputs = tuple(loss)
+            for output in outputs:
+                if not output.is_floating_point():
+                    raise TypeError(
+                        f"{name} returned a {output.dtype} output; it must be floating-point"
+                    )
+            if self.cotangent_given:
+                check_cotangent(self.cotangent, outputs, name)
+            return outputs, aux
         if not isinstance(loss, torch.Tensor):
             hint = (
                 "; pass has_aux=True if the rest of the tuple is auxiliary output"
@@ -107,7 +125,8 @@ class Problem:
         if not loss.is_floating_point():
             raise TypeError(f"{name} returned a {loss.dtype} output; it must be floating-point")
         if self.cotangent is not None:
-            check_cotangent(self.cotangent, loss, name)
+            if self.cotangent_given:
+                check_cotangent(self.cotangent, loss, name)
             return loss, aux
         if loss.numel() == 1:
             return loss.reshape(()), aux  # a scalar loss
@@ -120,11 +139,11 @@ class Result:
     the gradients, and the cotangent they are the vector-Jacobian product with (None for a
     scalar loss differentiated as it is)."""
 
-    value: torch.Tensor
+    value: Outputs
     aux: Any
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: dict[str, torch.Tensor]
-    cotangent: torch.Tensor | None = None
+    cotangent: Outputs | None = None
 
 
 # The cotangents a reference draws come from their own generator, so that drawing one leaves
@@ -132,20 +151,36 @@ class Result:
 COTANGENT_SEED = 0
 
 
-def draw_cotangent(output: torch.Tensor) -> torch.Tensor:
+def draw_cotangent(output: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """A cotangent for a tensor output: standard normal draws of its shape and dtype on its
-    device, from a generator seeded with COTANGENT_SEED (on the CPU, then moved: every
-    device gets the same numbers)."""
-    generator = torch.Generator().manual_seed(COTANGENT_SEED)
+    device, from ``generator``, by default one seeded with COTANGENT_SEED (on the CPU, then
+    moved: every device gets the same numbers)."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(COTANGENT_SEED)
     draws = torch.randn(output.shape, generator=generator, dtype=torch.float64)
     return draws.to(device=output.device, dtype=output.dtype)
 
 
-def check_cotangent(cotangent: Any, output: torch.Tensor, name: str) -> None:
-    """A cotangent must be a tensor of the output's shape and dtype."""
+def _is_tensor_tuple(value: Any) -> bool:
+    """A plain tuple (not a named one) of tensors only: a function's several outputs."""
+    return type(value) is tuple and bool(value) and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def check_cotangent(cotangent: Any, output: Outputs, name: str) -> None:
+    """A cotangent must be a tensor of the output's shape and dtype; for a tuple of outputs,
+    a tuple of such tensors, one for each."""
     __tracebackhide__ = True
+    if isinstance(output, tuple):
+        if not _is_tensor_tuple(cotangent) or len(cotangent) != len(output):
+            raise TypeError(
+                f"{name} returned {len(output)} outputs, so cotangent= must be a tuple of "
+                f"{len(output)} tensors, one for each; got {_kind(cotangent)}"
+            )
+        for position, (part, out) in enumerate(zip(cotangent, output)):
+            check_cotangent(part, out, f"{name}'s output {position}:")
+        return
     if not isinstance(cotangent, torch.Tensor):
-        raise TypeError(f"cotangent must be a tensor, got {type(cotangent).__name__}")
+        raise TypeError(f"cotangent must be a tensor, got {_kind(cotangent)}")
     if cotangent.shape != output.shape or cotangent.dtype != output.dtype:
         raise ValueError(
             f"cotangent= has shape {tuple(cotangent.shape)} and dtype {cotangent.dtype}, but "
@@ -154,14 +189,51 @@ def check_cotangent(cotangent: Any, output: torch.Tensor, name: str) -> None:
         )
 
 
-def _cotangent_for(problem: Problem, output: torch.Tensor) -> torch.Tensor | None:
+def _kind(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _cotangent_for(problem: Problem, output: Outputs) -> Outputs | None:
     """The cotangent an output's gradients are taken with: the problem's, a fresh draw for a
-    tensor output, None for a scalar loss."""
+    tensor output (one per output of a tuple, in turn from the one generator), None for a
+    scalar loss."""
     if problem.cotangent is not None:
+        if isinstance(output, tuple):
+            return tuple(
+                c.to(device=o.device, dtype=o.dtype) for c, o in zip(problem.cotangent, output)
+            )
+        assert isinstance(problem.cotangent, torch.Tensor)
         return problem.cotangent.to(device=output.device, dtype=output.dtype)
+    if isinstance(output, tuple):
+        generator = torch.Generator().manual_seed(COTANGENT_SEED)
+        return tuple(draw_cotangent(o, generator) for o in output)
     if output.dim() == 0:
         return None
     return draw_cotangent(output)
+
+
+def value_items(value: Outputs) -> list[tuple[str, torch.Tensor]]:
+    """The items a reference's value makes, with their labels: ``value``, or ``value[0]``,
+    ``value[1]``, ... for a tuple of outputs."""
+    if isinstance(value, tuple):
+        return [(f"value[{position}]", v) for position, v in enumerate(value)]
+    return [("value", value)]
+
+
+def detached_outputs(value: Outputs) -> Outputs:
+    if isinstance(value, tuple):
+        return tuple(v.detach() for v in value)
+    return value.detach()
+
+
+def _as_tuple(value: Any, count: int = 1) -> tuple[Any, ...]:
+    """Outputs (or their cotangents) as a tuple; None (a scalar loss's implicit cotangent)
+    as ``count`` Nones."""
+    if value is None:
+        return (None,) * count
+    return value if isinstance(value, tuple) else (value,)
 
 
 def _detached(aux: Any) -> Any:
@@ -174,7 +246,7 @@ def _value_only(problem: Problem) -> Result:
     __tracebackhide__ = True
     with torch.no_grad(), problem.mode():
         value, aux = problem.split(problem.call((), {}, problem.fresh_buffers()))
-    return Result(value=value.detach(), aux=_detached(aux), arg_grads=(), param_grads={})
+    return Result(value=detached_outputs(value), aux=_detached(aux), arg_grads=(), param_grads={})
 
 
 def _by_autograd(problem: Problem) -> Result:
@@ -189,11 +261,21 @@ def _by_autograd(problem: Problem) -> Result:
         loss, aux = problem.split(problem.call(leaves, params, buffers))
         cotangent = _cotangent_for(problem, loss)
         found: Sequence[torch.Tensor | None] = [None] * len(inputs)
-        if loss.requires_grad:  # else nothing differentiable reached the loss
-            found = torch.autograd.grad(loss, inputs, grad_outputs=cotangent, allow_unused=True)
+        # Only outputs that the differentiated inputs reach (the others add nothing).
+        pairs = [
+            (o, c)
+            for o, c in zip(_as_tuple(loss), _as_tuple(cotangent, len(_as_tuple(loss))))
+            if o.requires_grad
+        ]
+        if pairs:  # else nothing differentiable reached the output
+            outputs, cotangents = zip(*pairs)
+            given = None if cotangent is None else list(cotangents)
+            found = torch.autograd.grad(
+                list(outputs), inputs, grad_outputs=given, allow_unused=True
+            )
     grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, found)]
     return Result(
-        value=loss.detach(),
+        value=detached_outputs(loss),
         aux=_detached(aux),
         arg_grads=tuple(grads[: len(leaves)]),
         param_grads=dict(zip(params, grads[len(leaves) :])),
@@ -210,10 +292,10 @@ def _by_grad_and_value(problem: Problem) -> Result:
         diff_args: tuple[torch.Tensor, ...],
         diff_params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    ) -> tuple[Outputs, tuple[torch.Tensor, ...]]:
         __tracebackhide__ = True
         loss, aux = problem.split(problem.call(diff_args, diff_params, buffers))
-        if scalar_only and loss.dim() != 0:
+        if scalar_only and (isinstance(loss, tuple) or loss.dim() != 0):
             raise _TensorOutput
         leaves, spec = tree_flatten(aux)
         aux_parts.update(leaves=leaves, spec=spec)
@@ -269,7 +351,7 @@ def _by_grad_and_value(problem: Problem) -> Result:
         next(tensors) if isinstance(leaf, torch.Tensor) else leaf for leaf in aux_parts["leaves"]
     ]
     return Result(
-        value=value.detach(),
+        value=detached_outputs(value),
         aux=tree_unflatten(leaves, aux_parts["spec"]),
         arg_grads=tuple(arg_grads),
         param_grads=dict(param_grads),

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pytest_gradref.computation import Argnums, ParamSelection, compute_reference
+from pytest_gradref.differentiation import Outputs
 from pytest_gradref.recording import Recording
 from pytest_gradref.reference import Reference
 from pytest_gradref.strategies import Strategy, StrategyChoice
@@ -67,7 +68,7 @@ class GradReference:
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
         rounded: bool | None = None,
-        cotangent: torch.Tensor | None = None,
+        cotangent: Outputs | None = None,
         **kwargs: Any,
     ) -> Reference:
         """fn(*args, **kwargs)'s value and its gradients w.r.t. ``args[argnums]``.
@@ -102,7 +103,7 @@ class GradReference:
         golden: torch.dtype | None = None,
         params: ParamSelection = None,
         rounded: bool | None = None,
-        cotangent: torch.Tensor | None = None,
+        cotangent: Outputs | None = None,
         **kwargs: Any,
     ) -> Reference:
         """Like calling the fixture, for a reference that is itself a kernel: another
@@ -146,7 +147,7 @@ class GradReference:
         golden: torch.dtype | None,
         params: ParamSelection,
         rounded: bool | None,
-        cotangent: torch.Tensor | None,
+        cotangent: Outputs | None,
         default_golden: bool = True,
     ) -> Reference:
         """compute_reference under this fixture's policy, with the call's golden dtype and

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from pytest_gradref.differentiation import Problem, Result, describe
+from pytest_gradref.differentiation import Outputs, Problem, Result, describe
 from pytest_gradref.dtypes import epsilon, is_inexact, less_precise
 from pytest_gradref.tolerances import dtype_name
 from pytest_gradref.warning_types import GoldenPrecisionWarning, user_stacklevel
@@ -35,7 +35,7 @@ class Golden:
 
     dtype: torch.dtype
     device: torch.device
-    value: torch.Tensor
+    value: Outputs
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: Mapping[str, torch.Tensor]
     aux: Any = None
@@ -81,7 +81,7 @@ def compute_golden(
 
 
 def value_condition(
-    upcast: Problem, value: torch.Tensor, arg_grads: Sequence[Any], param_grads: Mapping[str, Any]
+    upcast: Problem, value: Outputs, arg_grads: Sequence[Any], param_grads: Mapping[str, Any]
 ) -> torch.Tensor | None:
     """A scalar value's first-order terms x * dvalue/dx over the differentiated inputs x
     (golden precision), as [sum of their magnitudes, their 2-norm]: for a sum of terms, the
@@ -90,7 +90,7 @@ def value_condition(
     input is rounded once more (see compare.BudgetItem.condition). None for a value that is
     not a scalar or has no gradient."""
     plain = (torch.Tensor, torch.nn.Parameter)
-    if value.numel() != 1 or type(value) not in plain:
+    if isinstance(value, tuple) or value.numel() != 1 or type(value) not in plain:
         # A tensor subclass (DTensor, a wrapper) may not stack into the two numbers (torch 2.8's
         # wrappers return a 0-dim result): its value's floor keeps the golden's own scale.
         return None
@@ -253,10 +253,10 @@ def check_golden_dtype(golden: Any, args: Sequence[Any]) -> None:
             )
 
 
-def obtained_dtype(value: torch.Tensor, aux: Any) -> torch.dtype:
-    """The least precise floating dtype among a result's value and aux tensors."""
-    least = value.dtype
-    for leaf in tree_leaves(aux):
+def obtained_dtype(value: Outputs, aux: Any) -> torch.dtype:
+    """The least precise floating dtype among a result's value (its outputs) and aux tensors."""
+    least = torch.float64
+    for leaf in (*tree_leaves(value), *tree_leaves(aux)):
         if isinstance(leaf, torch.Tensor) and is_inexact(leaf.dtype):
             least = less_precise(least, leaf.dtype)
     return least

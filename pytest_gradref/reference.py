@@ -34,6 +34,7 @@ from pytest_gradref.compare import (
     check_items,
     format_failures,
 )
+from pytest_gradref.differentiation import Outputs, value_items
 from pytest_gradref.dtypes import ComputeDtype
 from pytest_gradref.golden import Golden
 from pytest_gradref.numbers import check_number
@@ -78,7 +79,7 @@ class Reference:
             kernel's own backward: ``out.backward(ref.cotangent)``; None for a scalar loss.
     """
 
-    value: torch.Tensor
+    value: Outputs
     grads: torch.Tensor | tuple[torch.Tensor, ...]
     param_grads: Mapping[str, torch.Tensor]
     aux: Any
@@ -93,11 +94,11 @@ class Reference:
     recording: Recording | None = field(default=None, repr=False)
     # For a tensor output: what its gradients are the vector-Jacobian product with, for the
     # kernel's own backward (``out.backward(ref.cotangent)``); None for a scalar loss.
-    cotangent: torch.Tensor | None = None
+    cotangent: Outputs | None = None
 
     def assert_close(
         self,
-        actual_value: torch.Tensor,
+        actual_value: torch.Tensor | Sequence[torch.Tensor],
         actual_grads: ActualGrads = None,
         *,
         param_grads: ActualParamGrads = None,
@@ -213,7 +214,8 @@ class Reference:
         if not all(check.passed for check in checks):
             # The device index too: under xdist each worker has its own (npu:0, npu:1).
             header = (
-                f"Reference mismatch on {self.value.device} ({self.backend} backend, "
+                f"Reference mismatch on {value_items(self.value)[0][1].device} "
+                f"({self.backend} backend, "
                 f"{self.strategy} reference)"
             )
             raise AssertionError(format_failures(header, checks))
@@ -300,7 +302,7 @@ class Reference:
 
     def _run_items(self, run: Result) -> dict[str, torch.Tensor]:
         """A run of the golden computation (a rounding spread's), item by item, by label."""
-        found = {"value": run.value, **dict(zip(self.grad_labels, run.arg_grads))}
+        found = {**dict(value_items(run.value)), **dict(zip(self.grad_labels, run.arg_grads))}
         found.update((_param_label(name), grad) for name, grad in run.param_grads.items())
         if self.aux is not None:
             for leaf in pair_aux(run.aux, self.aux, None):
@@ -405,7 +407,7 @@ class Reference:
 
     def _pair_items(
         self,
-        actual_value: torch.Tensor,
+        actual_value: torch.Tensor | Sequence[torch.Tensor],
         actual_grads: ActualGrads,
         param_grads: ActualParamGrads,
     ) -> list[tuple[str, torch.Tensor | None, torch.Tensor, Any, Any, str]]:
@@ -414,14 +416,32 @@ class Reference:
         __tracebackhide__ = True
         golden, rounded = self.golden, self.rounded
         expected_grads = self.grads if isinstance(self.grads, tuple) else (self.grads,)
+        outputs = value_items(self.value)
+        if isinstance(self.value, tuple):
+            if isinstance(actual_value, torch.Tensor) or len(actual_value) != len(outputs):
+                given = (
+                    "a tensor"
+                    if isinstance(actual_value, torch.Tensor)
+                    else f"{len(actual_value)} values"
+                )
+                raise TypeError(
+                    f"assert_close(): this reference has {len(outputs)} outputs "
+                    f"({', '.join(label for label, _ in outputs)}): its function returned a "
+                    f"tuple of tensors; pass the kernel's as a tuple of {len(outputs)} tensors, "
+                    f"in the same order, not {given}. If the tuple is a loss and what it "
+                    "reports beside it, compute the reference with has_aux=True: the rest of "
+                    "the tuple is then auxiliary output"
+                )
+            actual_values: list[Any] = list(actual_value)
+        else:
+            actual_values = [actual_value]
+        no_values: list[Any] = [None] * len(outputs)
+        golden_values = [v for _, v in value_items(golden.value)] if golden else no_values
+        rounded_values = [v for _, v in value_items(rounded.value)] if rounded else no_values
         items: list[tuple[str, torch.Tensor | None, torch.Tensor, Any, Any, str]] = [
-            (
-                "value",
-                actual_value,
-                self.value,
-                golden and golden.value,
-                rounded and rounded.value,
-                MISSING_HINT,
+            (label, actual, expected, golden_value, rounded_value, MISSING_HINT)
+            for (label, expected), actual, golden_value, rounded_value in zip(
+                outputs, actual_values, golden_values, rounded_values
             )
         ]
         if not expected_grads and not self.param_grads and actual_grads is not None:

@@ -24,13 +24,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from pytest_gradref.differentiation import Outputs
+
 
 @dataclass(frozen=True)
 class Rounded:
     """The reference computed with every floating-point result rounded to ``dtype``."""
 
     dtype: torch.dtype
-    value: torch.Tensor
+    value: Outputs
     arg_grads: tuple[torch.Tensor, ...]
     param_grads: Mapping[str, torch.Tensor]
     aux: Any = None

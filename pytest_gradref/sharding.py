@@ -239,7 +239,7 @@ class ShardedReference(Reference):
 
     def assert_close(
         self,
-        actual_value: torch.Tensor,
+        actual_value: torch.Tensor | Sequence[torch.Tensor],
         actual_grads: Any = None,
         *,
         param_grads: Any = None,

@@ -160,6 +160,45 @@ def test_a_wrong_cotangent_names_both_shapes_and_dtypes(cotangent: torch.Tensor,
         reference(lambda t: t.sum(1), torch.randn(8, 4), argnums=0, cotangent=cotangent)
 
 
+def norm_with_stats(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An RMS norm that returns its output and the per-row reciprocal RMS, both
+    differentiable, as a fused norm kernel returns them."""
+    rstd = torch.rsqrt(x.float().square().mean(-1) + 1e-6)
+    return (x.float() * rstd[:, None] * weight.float()).to(x.dtype), rstd
+
+
+@pytest.mark.parametrize("strategy", ["autograd", "grad_and_value"])
+def test_a_tuple_of_outputs_takes_a_cotangent_each(strategy: Strategy) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 64, generator=gen)
+    weight = torch.randn(64, generator=gen)
+    ref = reference(norm_with_stats, x, weight, strategy=strategy)
+    assert isinstance(ref.cotangent, tuple)
+    assert [c.shape for c in ref.cotangent] == [(32, 64), (32,)]
+    xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    out, rstd = norm_with_stats(xs, ws)
+    torch.autograd.backward([out, rstd], list(ref.cotangent))
+    grads = (xs.grad, ws.grad)
+    ref.assert_close((out.detach(), rstd.detach()), grads)
+    off = rstd.detach().clone()
+    off[5] *= 1.01
+    assert "1 of 4 items differ\n- value[1]:" in failure(ref, (out.detach(), off), grads)
+    # Both cotangents count: the output's alone gives other gradients.
+    xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    norm_with_stats(xs, ws)[0].backward(ref.cotangent[0])
+    assert "- gradient of argument 0 (x):" in failure(
+        ref, (out.detach(), rstd.detach()), (xs.grad, ws.grad)
+    )
+    with pytest.raises(TypeError, match=r"has 2 outputs \(value\[0\], value\[1\]\)"):
+        ref.assert_close(out.detach(), grads)
+
+
+def test_a_tuple_of_outputs_needs_a_tuple_of_cotangents() -> None:
+    x, weight = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(TypeError, match="returned 2 outputs, so cotangent= must be a tuple of 2"):
+        reference(norm_with_stats, x, weight, cotangent=torch.ones(4, 8))
+
+
 # --- value-only references -------------------------------------------------------------------
 
 

@@ -123,9 +123,15 @@ def test_has_aux_needs_a_pair(grad_reference, strategy):
     )
     with pytest.raises(TypeError, match=three):
         grad_reference(lambda t: (t.sum(), t.max(), t.min()), torch.randn(3), has_aux=True)
-    hint = "it returned tuple; pass has_aux=True if the rest of the tuple is auxiliary output"
+    # Without has_aux a tuple of tensors is a tuple of outputs; a loss-only check says so.
+    hint = "compute the reference with has_aux=True: the rest of the tuple is then auxiliary"
+    x = torch.randn(3)
+    ref = grad_reference(lambda t: (t.sum(), t), x)
     with pytest.raises(TypeError, match=hint):
-        grad_reference(lambda t: (t.sum(), t), torch.randn(3))
+        ref.assert_close(x.sum(), torch.ones(3))
+    # A tuple with something else than tensors is no tuple of outputs.
+    with pytest.raises(TypeError, match="pass has_aux=True if the rest of the tuple is aux"):
+        grad_reference(lambda t: (t.sum(), 3), x)
 """,
     )
     result.assert_outcomes(passed=9)
