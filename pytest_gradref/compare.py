@@ -149,7 +149,8 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
 
     With ``statistics=False`` a tolerance check computes its verdict alone (torch.testing's
     cost), for runs that neither report nor show the statistics; a budget's statistics are
-    its criterion, so they are computed either way. An actual result less precise than its
+    its criterion, so they are computed either way, all but the greatest relative error,
+    which a failure's message looks up. An actual result less precise than its
     reference fails on its dtype (``check_dtype``), before any statistics.
     """
     __tracebackhide__ = True
@@ -177,7 +178,7 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
                 continue
             stats: torch.Tensor | None = _tolerance_stats(item, statistics)
         else:
-            stats = _budget_stats(item)
+            stats = _budget_stats(item, statistics)
         if stats is None:
             checks[position] = _check_alone(item)
         else:
@@ -187,7 +188,8 @@ def check_items(items: Sequence[Item], *, statistics: bool = True) -> list[ItemC
         offset = 0
         for position, stats in group:
             width = stats.numel()
-            checks[position] = _finish(items[position], numbers[offset : offset + width])
+            values = numbers[offset : offset + width]
+            checks[position] = _finish(items[position], values, statistics)
             offset += width
     return [check for check in checks if check is not None]
 
@@ -242,64 +244,70 @@ def _tolerance_stats(item: ToleranceItem, statistics: bool = True) -> torch.Tens
     return torch.cat([torch.stack([max_abs, max_rel, used.max(), scale]), norms])
 
 
-def _budget_stats(item: BudgetItem) -> torch.Tensor | None:
-    """As a float64 tensor where the golden is: the actual's greatest error vs the golden,
-    its greatest relative error, the item's scale (the golden's greatest finite magnitude, or
-    the value's first-order terms where larger), the norms of the actual's error and of the
-    golden, the value's first-order spread, the golden's mean magnitude; then for the
-    reference, the rounded reference where there is one, and each of the spread's runs, the
-    greatest error and its norm. An item with a systematic criterion (``systematic``) adds
-    the sums a least-squares fit of each error by the golden needs (``LeastSquares``): the
-    golden's sum, and per side the error's sum and its product with the golden. None for an
-    item the batched pass leaves out. NaN anywhere makes an error NaN (a NaN golden makes all
-    NaN), which fails the item; which side held it is looked up for the failure message
-    only."""
+def _budget_stats(item: BudgetItem, statistics: bool = True) -> torch.Tensor | None:
+    """As a float64 tensor where the golden is (named by ``_layout``): with ``statistics``
+    the actual's greatest relative error vs the golden; the golden's greatest finite
+    magnitude, its norm and mean magnitude, with a systematic criterion (``systematic``) its
+    sum; for a scalar value its first-order terms' sum of magnitudes and spread
+    (``condition``); then per side (the actual, the reference, the rounded reference where
+    there is one, each of the spread's runs) the greatest error and its norm, with a
+    systematic criterion the sums a least-squares fit of the error by the golden needs
+    (``LeastSquares``): the error's sum and its product with the golden. None for an item the
+    batched pass leaves out. NaN anywhere makes an error NaN (a NaN golden makes all NaN),
+    which fails the item; which side held it is looked up for the failure message only.
+
+    The sides are stacked and their statistics taken in one operation each, so an item costs
+    the same few operations (kernel launches, on an accelerator) however many sides it has;
+    a scalar's are its values alone, whose differences ``_scalar_statistics`` takes on the
+    host."""
     actual, reference, golden, rounded = item.actual, item.reference, item.golden, item.rounded
     assert actual is not None
     references = (reference,) if rounded is None else (reference, rounded)
-    others = (*references, *item.samples)
-    if not _batchable(actual, *others, golden, on=golden.device):
+    sides = (actual, *references, *item.samples)
+    if not _batchable(*sides, golden, on=golden.device):
         return None
     fitted = systematic(item)
     if golden.numel() == 0:
-        width = len(_layout(item, fitted))
+        width = len(_layout(item, fitted, statistics))
         return torch.zeros(width, dtype=torch.float64, device=golden.device)
+    condition = [] if item.condition is None else [item.condition]
+    if golden.numel() == 1:
+        values = [t.detach().reshape(-1) for t in (*sides, golden, *condition)]
+        if all(t.device == golden.device for t in values):
+            return torch.cat(values).to(torch.float64)  # cat promotes: one operation
+        return torch.cat([t.to(device=golden.device, dtype=torch.float64) for t in values])
     g = golden.detach().to(torch.float64)
-    own_signed = _signed(actual, g)
-    own = own_signed.abs()
-    golden_magnitude = g.abs()
-    own_rel = torch.where(own == 0, 0.0, own / golden_magnitude).max()
-    finite = _finite(golden_magnitude)
-    scale = finite.max()
-    spread = torch.zeros_like(scale)
-    if item.condition is not None:
-        condition = item.condition.to(scale)
-        scale, spread = torch.maximum(scale, condition[0]), condition[1]
-    numbers = [own.max(), own_rel, scale, own.norm(), finite.norm(), spread, finite.mean()]
-    g_finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0) if fitted else g
+    errors = _signed(_stacked(sides, g), g).reshape(len(sides), -1)
+    magnitudes = errors.abs()
+    g_finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).reshape(-1)
+    finite = g_finite.abs()
+    head = [finite.max(), g_finite.norm(), finite.mean()]
+    if statistics:
+        own = magnitudes[0]
+        head.insert(0, torch.where(own == 0, 0.0, own / g.abs().reshape(-1)).max())
+    per_side = [magnitudes.amax(dim=1), torch.linalg.vector_norm(errors, dim=1)]
     if fitted:
-        numbers += [g_finite.sum(), *_fit_sums(own_signed, g_finite)]
-    for other in others:
-        signed = _signed(other, g)
-        numbers += [signed.abs().max(), signed.norm()]
-        if fitted:
-            numbers += _fit_sums(signed, g_finite)
-    return torch.stack(numbers)
+        head.append(g_finite.sum())
+        # A non-finite error makes its sums non-finite, which fails the fit, as the greatest
+        # error fails the item.
+        per_side += [errors.sum(dim=1), errors @ g_finite]
+    parts = [torch.stack(head), *(c.to(g) for c in condition)]
+    return torch.cat(parts + per_side)
+
+
+def _stacked(tensors: Sequence[torch.Tensor], golden: torch.Tensor) -> torch.Tensor:
+    """The tensors (each of the golden's shape) stacked into one float64 tensor where the
+    golden is."""
+    first = tensors[0]
+    if all(t.dtype == first.dtype and t.device == golden.device for t in tensors):
+        return torch.stack([t.detach() for t in tensors]).to(torch.float64)
+    return torch.stack([t.detach().to(device=golden.device, dtype=torch.float64) for t in tensors])
 
 
 def _signed(actual: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
-    """actual - golden in float64 where the golden is, 0 where the two are equal (infinities
-    of one sign too, as torch.testing has them), NaN where either is NaN."""
-    a = actual.detach().to(device=golden.device, dtype=torch.float64)
-    return torch.where(a == golden, 0.0, a - golden)
-
-
-def _fit_sums(signed: torch.Tensor, golden: torch.Tensor) -> list[torch.Tensor]:
-    """The error's sum and its product with the golden (whose non-finite elements count as
-    zeros), for plain tensors: two reductions. A non-finite error makes them non-finite,
-    which fails the fit, as the greatest error fails the item."""
-    error = signed.reshape(-1)
-    return [error.sum(), torch.dot(error, golden.reshape(-1))]
+    """actual - golden (float64 tensors on one device, broadcast), 0 where the two are equal
+    (infinities of one sign too, as torch.testing has them), NaN where either is NaN."""
+    return torch.where(actual == golden, 0.0, actual - golden)
 
 
 def systematic(item: BudgetItem) -> bool:
@@ -314,17 +322,60 @@ def systematic(item: BudgetItem) -> bool:
     )
 
 
-def _layout(item: BudgetItem, fitted: bool) -> list[str]:
+def _side_prefixes(item: BudgetItem) -> list[str]:
+    """How _budget_stats names a side's numbers: the actual's by nothing, a reference's by its
+    position among them (``0.`` the reference, then the rounded reference and the spread's
+    runs)."""
+    references = 1 + (item.rounded is not None) + len(item.samples)
+    return ["", *(f"{position}." for position in range(references))]
+
+
+def _layout(item: BudgetItem, fitted: bool, statistics: bool) -> list[str]:
     """The names of _budget_stats' numbers, in order (see there)."""
-    names = ["max", "rel", "scale", "norm", "golden_norm", "spread", "mean_magnitude"]
+    sides = _side_prefixes(item)
+    condition = ["condition_sum", "spread"] if item.condition is not None else []
+    if item.golden.numel() == 1:
+        return [side + "value" for side in sides] + ["golden", *condition]
+    names = ["rel"] if statistics else []
+    names += ["golden_max", "golden_norm", "mean_magnitude"]
     if fitted:
-        names += ["sum_g", "sum_e", "sum_eg"]
-    sides = 1 + (item.rounded is not None) + len(item.samples)
-    for position in range(sides):
-        names += [f"{position}.max", f"{position}.norm"]
-        if fitted:
-            names += [f"{position}.sum_e", f"{position}.sum_eg"]
+        names.append("sum_g")
+    names += condition
+    for statistic in ("max", "norm", *(("sum_e", "sum_eg") if fitted else ())):
+        names += [side + statistic for side in sides]
     return names
+
+
+def _scalar_statistics(item: BudgetItem, named: dict[str, float]) -> dict[str, float]:
+    """A scalar item's statistics (as _layout names them) from its values, in float64 on the
+    host as _budget_stats takes a tensor's on the device: a side's error is its value minus
+    the golden, 0 where the two are equal (infinities of one sign too), NaN where either is
+    NaN; the golden's magnitude counts as 0 where it is not finite."""
+    golden = named["golden"]
+    magnitude = abs(golden) if math.isfinite(golden) else 0.0
+    statistics = {
+        "golden_max": magnitude,
+        "golden_norm": magnitude,
+        "mean_magnitude": magnitude,
+    }
+    for side in _side_prefixes(item):
+        value = named[side + "value"]
+        error = 0.0 if value == golden else abs(value - golden)
+        statistics[side + "max"] = statistics[side + "norm"] = error
+    own = statistics["max"]
+    statistics["rel"] = 0.0 if own == 0 else _divide(own, abs(golden))
+    for name in ("condition_sum", "spread"):
+        if name in named:
+            statistics[name] = named[name]
+    return statistics
+
+
+def _divide(a: float, b: float) -> float:
+    """a / b for magnitudes as float64 tensors divide them (inf for a nonzero a over 0, NaN
+    for 0 / 0)."""
+    if b == 0:
+        return math.nan if a == 0 or math.isnan(a) else math.inf
+    return a / b
 
 
 @dataclass(frozen=True)
@@ -405,7 +456,7 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tens
 _CONFIRM_STEPS = 4
 
 
-def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
+def _finish(item: Item, values: Sequence[float], statistics: bool = True) -> ItemCheck:
     """The check of an item from its statistics read to the host."""
     actual = item.actual
     assert actual is not None
@@ -426,7 +477,9 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
             scale=scale,
         )
     fitted = systematic(item)
-    named = dict(zip(_layout(item, fitted), values))
+    named = dict(zip(_layout(item, fitted, statistics), values))
+    if item.golden.numel() == 1:
+        named = _scalar_statistics(item, named)
     design = None
     if fitted:
         design = LeastSquares(actual.numel(), named["sum_g"], named["golden_norm"] ** 2)
@@ -447,13 +500,18 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
     sides = 1 + (item.rounded is not None) + len(item.samples)
     others = [side(position) for position in range(sides)]
     rounded_sides = 2 if item.rounded is not None else 1
+    # The item's scale: the golden's greatest finite magnitude, or for a scalar value the sum
+    # of its first-order terms where larger (a NaN in either stays NaN, and fails).
+    scale = named["golden_max"]
+    if item.condition is not None:
+        scale = _nan_max(scale, named["condition_sum"])
     errors = BudgetErrors(
         named["max"],
-        named["rel"],
-        named["scale"],
+        named.get("rel", math.nan),
+        scale,
         named["norm"],
         named["golden_norm"],
-        named["spread"],
+        named.get("spread", 0.0),
         named["mean_magnitude"],
         SideErrors(named["max"], named["norm"], own_fit),
         scale_se,
@@ -464,6 +522,11 @@ def _finish(item: Item, values: Sequence[float]) -> ItemCheck:
         design,
     )
     return _budget_check(item, errors)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """The larger of two numbers, NaN where either is (as torch.maximum)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _ratio(error: float, magnitude: float) -> float:
@@ -582,7 +645,7 @@ def _host_fit(tensor: torch.Tensor, golden: torch.Tensor, design: LeastSquares) 
     """A side's least-squares fit, its sums read to the host one by one (an item outside the
     batched pass, or a failure's message)."""
     g = golden.detach().to(torch.float64)
-    signed = _signed(tensor, g)
+    signed = _signed(tensor.detach().to(device=g.device, dtype=torch.float64), g)
     finite = g.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     # Elementwise, not torch.dot: a tensor subclass need not implement it.
     sum_e, sum_eg, sum_ee = signed.sum(), (signed * finite).sum(), signed.square().sum()
@@ -952,7 +1015,8 @@ def _budget_failure(
         if j.criterion is Criterion.GREATEST:
             line = (
                 f"greatest error vs the {golden_name} golden: {j.error:.3g} at index "
-                f"{_worst_index(actual, golden)} (greatest relative {errors.own_rel:.3g}), "
+                f"{_worst_index(actual, golden)} (greatest relative "
+                f"{_greatest_relative(errors, actual, golden):.3g}), "
                 f"{own}{also}; allowed: budget {budget:g} x {j.basis:.3g} + {floor_text}"
             )
         elif j.criterion is Criterion.NORMWISE:
@@ -1064,6 +1128,15 @@ def _stats(
         float(finite.norm()),
         float(finite.max()),
     )
+
+
+def _greatest_relative(errors: BudgetErrors, actual: torch.Tensor, golden: torch.Tensor) -> float:
+    """The actual's greatest relative error vs the golden: from the batched pass where it was
+    computed (with statistics), else looked up for a failure's message."""
+    if not math.isnan(errors.own_rel):
+        return errors.own_rel
+    diff, magnitude = difference(actual, golden)
+    return float(torch.where(diff == 0, 0.0, diff / magnitude).max())
 
 
 def _worst_index(actual: torch.Tensor, expected: torch.Tensor) -> str:

@@ -96,10 +96,8 @@ def value_condition(
         return None
     inputs = [upcast.args[i] for i in upcast.argnums]
     pairs = [*zip(inputs, arg_grads), *((upcast.params[n], g) for n, g in param_grads.items())]
-    # Non-finite terms (an infinite gradient, 0 * inf) set no scale, as in the golden's own
-    # (compare._finite): a NaN would fail every value, an infinity pass any.
     terms = [
-        (x.detach() * g.detach()).reshape(-1).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        (x.detach() * g.detach()).reshape(-1)
         for x, g in pairs
         if type(x) in plain
         and type(g) in plain
@@ -110,7 +108,9 @@ def value_condition(
     ]
     if not terms:
         return None
-    flat = torch.cat(terms).to(torch.float64)
+    # Non-finite terms (an infinite gradient, 0 * inf) set no scale, as in the golden's own
+    # (compare._finite): a NaN would fail every value, an infinity pass any.
+    flat = torch.cat(terms).to(torch.float64).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return torch.stack([flat.abs().sum(), flat.norm()])
 
 
@@ -154,11 +154,12 @@ class LowerPrecisionWatch(TorchFunctionMode):
     ) -> Any:
         result = func(*args, **(kwargs or {}))
         if not self.seen:
+            leaves = (result,) if type(result) is torch.Tensor else tree_leaves(result)
             self.seen = any(
                 isinstance(leaf, torch.Tensor)
                 and leaf.is_floating_point()
                 and epsilon(leaf.dtype) > self._epsilon
-                for leaf in tree_leaves(result)
+                for leaf in leaves
             )
         return result
 
