@@ -1,5 +1,6 @@
-"""Precision mutations of the fused-linear JSD kernel: a pytest plugin, and the registry that
-``benchmarks/precision_mutations.py`` runs the kernel suite under.
+"""Precision mutations of the fused-linear JSD kernel (and of the adopters' per-token kernel):
+a pytest plugin, and the registry that ``benchmarks/precision_mutations.py`` runs the suites
+under.
 
 Each mutation is one small, exact change to the kernel's math, made by monkeypatching in the
 process that runs it (nothing on disk changes): a function of the kernel wrapped where the
@@ -59,20 +60,25 @@ def _low_precision(dtype: Any) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def _replace_everywhere(monkeypatch: pytest.MonkeyPatch, original: Any, replacement: Any) -> int:
-    """Sets ``replacement`` in every ``gradref_kernels`` module attribute that holds
-    ``original`` (a ``from ._forward import chunked_forward`` binds its own name); returns how
-    many it set."""
+def _replace_everywhere(
+    monkeypatch: pytest.MonkeyPatch,
+    original: Any,
+    replacement: Any,
+    package: str = "gradref_kernels",
+) -> int:
+    """Sets ``replacement`` in every module attribute of ``package`` that holds ``original``
+    (a ``from ._forward import chunked_forward`` binds its own name); returns how many it
+    set."""
     count = 0
     for name, module in list(sys.modules.items()):
-        if module is None or not (name == "gradref_kernels" or name.startswith("gradref_kernels.")):
+        if module is None or not (name == package or name.startswith(f"{package}.")):
             continue
         for attribute, value in list(vars(module).items()):
             if value is original:
                 monkeypatch.setattr(module, attribute, replacement)
                 count += 1
     if count == 0:
-        raise RuntimeError(f"{original.__qualname__} is bound nowhere in gradref_kernels")
+        raise RuntimeError(f"{original.__qualname__} is bound nowhere in {package}")
     return count
 
 
@@ -305,6 +311,41 @@ def soft_sum_vocabulary_slice_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
+def per_token_one_token_off_1pct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adopter's per-token output with one token 1% off: prefkit's
+    ``fused_linear_token_logps`` (tests/adopters) returns the log-probability of largest
+    magnitude times 1.01, every other token and every gradient unchanged. Models a per-token
+    term that one position gets wrong (an off-by-one in a position's weight, a boundary token
+    of a chunk), which only the output, compared as a tensor, shows."""
+    import torch
+
+    prefkit = _adopter_module("prefkit")
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def fused_linear_token_logps(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            _hit()
+            bump = torch.zeros_like(out.detach())
+            bump.view(-1)[out.detach().abs().argmax()] = 0.01
+            return out + out.detach() * bump
+
+        return fused_linear_token_logps
+
+    original = prefkit.fused_linear_token_logps
+    _replace_everywhere(monkeypatch, original, make(original), package="prefkit")
+
+
+def _adopter_module(name: str) -> Any:
+    """A module of tests/adopters, imported as its tests import it (pytest puts that folder
+    on sys.path as it collects them, after the mutation is applied)."""
+    import importlib
+
+    folder = str(Path(__file__).resolve().parent.parent / "tests" / "adopters")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(name)
+
+
 def reorder_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     """CONTROL, not a mistake: every per-row ``torch.sum`` over the vocabulary in
     ``_chunk_torch._slice_`` (sum(S - T), sum(S d), K = sum(S L), sum(S L b)) summed as its
@@ -330,16 +371,21 @@ def reorder_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-# name -> (mutation, whether the checks must catch it)
-MUTATIONS: dict[str, tuple[Mutation, bool]] = {
-    "log_softmax_bf16": (log_softmax_bf16, True),
-    "chunk_loss_input_dtype": (chunk_loss_input_dtype, True),
-    "grad_weight_bf16_accumulation": (grad_weight_bf16_accumulation, True),
-    "grad_input_rounded_twice": (grad_input_rounded_twice, True),
-    "unstable_mixture_log": (unstable_mixture_log, True),
-    "grad_weight_scale_1pct": (grad_weight_scale_1pct, True),
-    "soft_sum_vocabulary_slice_left_out": (soft_sum_vocabulary_slice_left_out, True),
-    "reorder_noop": (reorder_noop, False),
+# What a mutation changes, and so which checks run under it (precision_mutations.SUITES): the
+# fused JSD kernel, or the adopters' per-token kernel.
+KERNEL, PER_TOKEN = "kernel", "per_token"
+
+# name -> (mutation, whether the checks must catch it, what it changes)
+MUTATIONS: dict[str, tuple[Mutation, bool, str]] = {
+    "log_softmax_bf16": (log_softmax_bf16, True, KERNEL),
+    "chunk_loss_input_dtype": (chunk_loss_input_dtype, True, KERNEL),
+    "grad_weight_bf16_accumulation": (grad_weight_bf16_accumulation, True, KERNEL),
+    "grad_input_rounded_twice": (grad_input_rounded_twice, True, KERNEL),
+    "unstable_mixture_log": (unstable_mixture_log, True, KERNEL),
+    "grad_weight_scale_1pct": (grad_weight_scale_1pct, True, KERNEL),
+    "soft_sum_vocabulary_slice_left_out": (soft_sum_vocabulary_slice_left_out, True, KERNEL),
+    "per_token_one_token_off_1pct": (per_token_one_token_off_1pct, True, PER_TOKEN),
+    "reorder_noop": (reorder_noop, False, KERNEL),
 }
 
 

@@ -1,19 +1,22 @@
 """Do the kernel suite's precision checks catch realistic precision mistakes in the kernel?
 
-Each mistake of ``benchmarks/_mutations.py``, applied to the kernel alone, must be caught.
+Each mistake of ``benchmarks/_mutations.py``, applied to the kernel alone (or, for a per-token
+output, to the adopters' per-token kernel alone), must be caught.
 
 For every mutation this first checks, in this process, that it changes the fused loss's outputs
 at all, and by how much against the float64 golden (relative max error before -> after, on a
 small bfloat16 and float32 problem and on a float32 one whose student is close to its teacher),
-so that a mutation that does nothing cannot pass for one that is caught. Then it runs a subset
-of the kernel suite under the CI baseline gate (``--gradref-baseline=`` the committed CPU
+so that a mutation that does nothing cannot pass for one that is caught; a mutation of the
+per-token kernel is measured on its output and gradients in bfloat16 and float32 instead. Then
+it runs a subset of the kernel suite (the per-token tests of ``tests/adopters`` for a per-token
+mutation) under the CI baseline gate (``--gradref-baseline=`` the committed CPU
 baseline, ``--gradref-baseline-fail``) with the mutation applied inside the test processes
 (``-p _mutations``, ``benchmarks/`` on ``PYTHONPATH``, ``GRADREF_MUTATION=NAME``: nothing on
 disk changes), and checks that the mutated code ran there and that the run's verdict is the
 expected one: caught (a test's check fails, or the gate reports a regression: pytest exits 1
 or 6, and not by crashed tests alone), with at least one item flagged by the gate, for the
 mistakes; not caught (exit status 0) for the
-unmutated suite (``none``, which runs first) and the control (``reorder_noop``, a
+unmutated suites (``none``, which run first) and the control (``reorder_noop``, a
 summation-order change). Where the unmutated suite fails already, a mutation counts as caught
 only by failed tests or gate items beyond its. Exits 1 if any expectation fails.
 
@@ -74,6 +77,17 @@ SUBSET_K = (
     " or test_matches_float64) and not triton and not torch-slices and not 8x128x1024x4096"
 )
 
+# The tests each kind of mutation runs under (_mutations.MUTATIONS' third field): the per-token
+# kernel's output and gradients, its planted-error test left out (it plants its own).
+SUITES = {
+    _mutations.KERNEL: [*SUBSET_PATHS, "-k", SUBSET_K],
+    _mutations.PER_TOKEN: [
+        "tests/adopters/test_adopter_per_token.py",
+        "-k",
+        "test_token_logps_and_their_gradients",
+    ],
+}
+
 # pytest's own exit statuses that mean the run did not judge anything (interrupted, internal
 # error, usage error, no tests collected): neither caught nor not caught.
 BROKEN_RUN = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests collected"}
@@ -93,6 +107,8 @@ class Case:
 
 
 GRAD_NAMES = ("student_input", "student_weight", "student_bias")
+# A per-token case's outputs go in the same columns: its output tensor under "loss", and the
+# gradients of its input, weight and bias.
 OUTPUT_NAMES = ("loss", "grad_input", "grad_weight", "grad_bias")
 
 
@@ -140,6 +156,51 @@ CASES: list[Callable[[], Case]] = [
     lambda: make_case("fp32", torch.float32),
     lambda: make_case("fp32-close", torch.float32, close=True),
 ]
+
+
+@dataclass(frozen=True)
+class TokenCase:
+    """A small per-token problem of prefkit's token log-probabilities: hidden states, a head
+    with bias, targets (a fifth ignored) and a fixed cotangent for the backward."""
+
+    name: str
+    tensors: tuple[Tensor, Tensor, Tensor]
+    target: Tensor
+    cotangent: Tensor
+
+
+def make_token_case(name: str, dtype: torch.dtype) -> TokenCase:
+    gen = torch.Generator().manual_seed(0)
+    batch, tokens, hidden, vocab = 3, 17, 48, 301
+    x = torch.randn(batch, tokens, hidden, generator=gen)
+    weight = torch.randn(vocab, hidden, generator=gen) * 2 / math.sqrt(hidden)
+    bias = torch.randn(vocab, generator=gen) * 0.5
+    target = torch.randint(0, vocab, (batch, tokens), generator=gen)
+    target[torch.rand(target.shape, generator=gen) < 0.2] = -100
+    cotangent = torch.randn(batch, tokens, generator=gen)
+    converted = (x.to(dtype), weight.to(dtype), bias.to(dtype))
+    return TokenCase(name, converted, target, cotangent)
+
+
+TOKEN_CASES: list[Callable[[], TokenCase]] = [
+    lambda: make_token_case("bf16 tokens", torch.bfloat16),
+    lambda: make_token_case("fp32 tokens", torch.float32),
+]
+
+
+def token_outputs(
+    case: TokenCase, fn: Callable[..., Tensor], dtype: torch.dtype | None = None
+) -> list[Any]:
+    """(output, grad x, grad weight, grad bias) of ``fn`` on the case with its cotangent, its
+    tensors converted to ``dtype`` when given."""
+    leaves = [(t if dtype is None else t.to(dtype)).clone().requires_grad_() for t in case.tensors]
+    out = fn(*leaves, case.target)
+    out.backward(case.cotangent.to(out.dtype))
+    return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+
+def _prefkit() -> Any:
+    return _mutations._adopter_module("prefkit")
 
 
 def outputs(case: Case, fn: Callable[..., Tensor], dtype: torch.dtype | None = None) -> list[Any]:
@@ -206,12 +267,24 @@ class Change:
 class Unmutated:
     """A case with the golden's and the unmutated kernel's outputs."""
 
-    case: Case
+    case: Case | TokenCase
     golden: list[Any]
     outputs: list[Any]
 
 
-def unmutated_cases() -> list[Unmutated]:
+def unmutated_cases(target: str) -> list[Unmutated]:
+    """The cases of a mutation's target with their golden and unmutated outputs."""
+    if target == _mutations.PER_TOKEN:
+        prefkit = _prefkit()
+        tokens = [make() for make in TOKEN_CASES]
+        return [
+            Unmutated(
+                c,
+                token_outputs(c, prefkit.token_logps_reference, torch.float64),
+                token_outputs(c, prefkit.fused_linear_token_logps),
+            )
+            for c in tokens
+        ]
     cases = [make() for make in CASES]
     return [Unmutated(c, outputs(c, reference, torch.float64), outputs(c, kernel)) for c in cases]
 
@@ -219,14 +292,20 @@ def unmutated_cases() -> list[Unmutated]:
 def measure_changes(name: str, cases: list[Unmutated]) -> tuple[list[Change], int]:
     """Every output's change under mutation ``name``, and how many times the mutated code
     changed a computation."""
-    mutation, _ = _mutations.MUTATIONS[name]
+    mutation, _, _ = _mutations.MUTATIONS[name]
     changes: list[Change] = []
     _mutations.reset_hits()
+
+    def run(case: Case | TokenCase) -> list[Any]:
+        if isinstance(case, TokenCase):  # looked up each time: the mutation replaces it
+            return token_outputs(case, _prefkit().fused_linear_token_logps)
+        return outputs(case, kernel)
+
     for unmutated in cases:
         with pytest.MonkeyPatch.context() as monkeypatch:
             mutation(monkeypatch)
-            after = outputs(unmutated.case, kernel)
-        again = outputs(unmutated.case, kernel)
+            after = run(unmutated.case)
+        again = run(unmutated.case)
         for output, b, a, g, u in zip(
             OUTPUT_NAMES, unmutated.outputs, after, unmutated.golden, again
         ):
@@ -309,14 +388,17 @@ def gate_section(log: str) -> tuple[int | None, dict[str, str]]:
     return (int(found.group(1)) if found else None), items
 
 
-def run_suite(name: str, selection: list[str], workers: int, baseline: str, out: Path) -> Outcome:
-    """The selected kernel-suite tests under the CI baseline gate, with mutation ``name``
-    (none for UNMUTATED) applied in every test process; the log and JUnit XML go to ``out``."""
-    hits_dir = out / f"{name}.hits"
+def run_suite(
+    name: str, selection: list[str], workers: int, baseline: str, out: Path, label: str
+) -> Outcome:
+    """The selected tests under the CI baseline gate, with mutation ``name`` (none for
+    UNMUTATED) applied in every test process; the log and JUnit XML go to ``out``, named by
+    ``label``."""
+    hits_dir = out / f"{label}.hits"
     hits_dir.mkdir(parents=True, exist_ok=True)
     for stale in hits_dir.glob("*.hits"):
         stale.unlink()
-    junit = out / f"{name}.xml"
+    junit = out / f"{label}.xml"
     env = {k: v for k, v in os.environ.items() if k != _mutations.ENV}
     if name != UNMUTATED:
         env[_mutations.ENV] = name
@@ -345,7 +427,7 @@ def run_suite(name: str, selection: list[str], workers: int, baseline: str, out:
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     log = done.stdout + done.stderr
-    (out / f"{name}.log").write_text(f"{' '.join(command)}\n\n{log}")
+    (out / f"{label}.log").write_text(f"{' '.join(command)}\n\n{log}")
     tests, failed, crashed = junit_results(junit)
     regressions, gate_items = gate_section(log)
     hits = sum(int(p.read_text() or 0) for p in hits_dir.glob("*.hits"))
@@ -438,10 +520,11 @@ def main() -> int:
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="precision_mutations-"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.expression is None:
-        selection = [*SUBSET_PATHS, "-k", SUBSET_K]
-    else:
-        selection = ["tests/kernels", "-k", args.expression]
+    suites = dict(SUITES)
+    if args.expression is not None:
+        suites[_mutations.KERNEL] = ["tests/kernels", "-k", args.expression]
+    # The suites the chosen mutations run under, the kernel's first.
+    targets = sorted({_mutations.MUTATIONS[name][2] for name in args.only}, key=list(SUITES).index)
     started = time.perf_counter()
     lines: list[str] = []
 
@@ -453,31 +536,34 @@ def main() -> int:
         f"# python benchmarks/precision_mutations.py {' '.join(sys.argv[1:])}".rstrip()
         + f" ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
     )
-    say(
-        f"suite: pytest {' '.join(selection)} -n {args.workers} "
-        f"--gradref-baseline={args.baseline} --gradref-baseline-fail"
-    )
+    for target in targets:
+        say(
+            f"suite ({target}): pytest {' '.join(suites[target])} -n {args.workers} "
+            f"--gradref-baseline={args.baseline} --gradref-baseline-fail"
+        )
     say(f"logs: {out}")
     say()
     say("## Output change against the float64 golden")
     say()
     say("max |out - golden| / max |golden|, unmutated -> mutated (= bitwise unchanged); cases:")
     say("bf16 and fp32: 150 rows (a quarter ignored), hidden 48/64, vocab 301, bias, beta 0.5,")
-    say("chunk_size 64; fp32-close: 96 rows, vocab 2048, soft loss only, per-row JSD ~3e-6")
+    say("chunk_size 64; fp32-close: 96 rows, vocab 2048, soft loss only, per-row JSD ~3e-6;")
+    say("bf16 and fp32 tokens: prefkit's per-token log-probabilities, 3x17 tokens (a fifth")
+    say("ignored), hidden 48, vocab 301, bias, a fixed cotangent; its output in the loss column")
     say()
     say("| mutation | case | " + " | ".join(OUTPUT_NAMES) + " |")
     say("|---" * (len(OUTPUT_NAMES) + 2) + "|")
-    cases = unmutated_cases()
+    cases = {target: unmutated_cases(target) for target in targets}
     changes: dict[str, list[Change]] = {}
     for name in args.only:
-        changes[name], _ = measure_changes(name, cases)
+        changes[name], _ = measure_changes(name, cases[_mutations.MUTATIONS[name][2]])
         for case in dict.fromkeys(c.case for c in changes[name]):
             cells = {c.output: c.describe() for c in changes[name] if c.case == case}
             say(f"| {name} | {case} | " + " | ".join(cells.get(o, "") for o in OUTPUT_NAMES) + " |")
     say()
     say(f"(the in-process check took {time.perf_counter() - started:.0f} s)")
     say()
-    say("## The kernel suite under each mutation")
+    say("## The suites under each mutation")
     say()
     say(
         "caught: exit status 1 or 6, not by crashed tests alone (a failure other than an "
@@ -492,12 +578,16 @@ def main() -> int:
     say("|---|---|---|---|---|---|---|---|---|")
     details: list[str] = []
     failures = 0
-    unmutated: Outcome | None = None
-    for name in [UNMUTATED, *args.only]:
-        outcome = run_suite(name, selection, args.workers, args.baseline, out)
+    unmutated_runs: dict[str, Outcome] = {}
+    runs = [(UNMUTATED, target) for target in targets]
+    runs += [(name, _mutations.MUTATIONS[name][2]) for name in args.only]
+    for name, target in runs:
+        label = f"{name}-{target}" if name == UNMUTATED else name
+        outcome = run_suite(name, suites[target], args.workers, args.baseline, out, label)
+        unmutated = unmutated_runs.get(target)
         verdict = judge(outcome, unmutated)
         if name == UNMUTATED:
-            unmutated = outcome
+            unmutated_runs[target] = outcome
         expected = name != UNMUTATED and _mutations.MUTATIONS[name][1]
         problems = expectation_failures(name, changes.get(name, []), outcome, verdict)
         failures += bool(problems)
@@ -512,11 +602,11 @@ def main() -> int:
         ran = "-" if name == UNMUTATED else f"{outcome.hits}x"
         result = "PASS" if not problems else "FAIL: " + "; ".join(problems)
         say(
-            f"| {name} | {'caught' if expected else 'not caught'} | {shown} | {failed} | "
+            f"| {label} | {'caught' if expected else 'not caught'} | {shown} | {failed} | "
             f"{regressions} | {outcome.status} | {ran} | {outcome.seconds:.0f} s | {result} |"
         )
         if verdict.new_failed or verdict.new_gate_items or outcome.crashed:
-            details.append(f"{name}:")
+            details.append(f"{label}:")
             for test, message in list(outcome.crashed.items())[:3]:
                 details.append(f"  CRASHED (counts for nothing) {test}: {message}")
             if len(outcome.crashed) > 3:

@@ -42,6 +42,7 @@ from pytest_gradref.settings import (
     BASELINE_REFRESH_HELP,
     BASELINE_REFRESH_INI,
     OPTIONS,
+    VERDICT_OPTION,
     read_settings,
     read_simulation,
     seed_for_test,
@@ -323,6 +324,12 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         default_budget=DEFAULT_BUDGET if golden_verdict else None,
         check_dtype=overrides.check_dtype,
         aux_tolerances=overrides.aux_tolerances,
+        golden_off=None
+        if state.settings.verdict == "golden"
+        else (
+            f"--gradref-verdict={state.settings.verdict} from "
+            f"{state.settings.source(VERDICT_OPTION)}"
+        ),
     )
     return GradReference(
         strategy=strategy,

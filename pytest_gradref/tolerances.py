@@ -158,6 +158,10 @@ class CheckPolicy:
     statistics: bool = True
     # The marker's aux_tolerances, below assert_close's own (see Reference.assert_close).
     aux_tolerances: Mapping[AuxKey, Tolerance] = field(default_factory=dict)
+    # Where the run turned the default golden off ("--gradref-verdict=tolerance from the
+    # --gradref-verdict option"): a check that asks for a budget then skips its test, naming
+    # it, rather than erroring on the golden it lacks. None where no setting turned it off.
+    golden_off: str | None = None
 
     def tolerance(
         self,

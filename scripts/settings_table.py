@@ -9,7 +9,7 @@ between ``<!-- settings-table: FORMAT -->`` and ``<!-- /settings-table -->`` are
 - ``full`` (docs/settings.md): option, environment variable, ini key, value, default, help;
 - ``compact`` (README.md): option, environment variable, ini key, default;
 - ``toml`` (docs/first-test.md): a ``pyproject.toml`` block setting every ini key to its
-  default, each with its type, default and help;
+  default, each with its type, default and help, after pytest's ``-rs``;
 - ``markers`` (README.md, docs/settings.md): every marker with its signature and help, from
   the lines the plugin registers them with (``pytest_gradref.markers.MARKER_LINES``), which
   ``pytest --markers`` shows too.
@@ -170,7 +170,13 @@ def render(fmt: str) -> str:
             )
         return "\n".join(lines)
     if fmt == "toml":
-        lines = ['```toml title="pyproject.toml"', "[tool.pytest.ini_options]"]
+        lines = [
+            '```toml title="pyproject.toml"',
+            "[tool.pytest.ini_options]",
+            "# pytest's own: say why each skipped test was skipped (gradref_skip, gradref_only, a",
+            "# device that is not there), which pytest prints only with -rs",
+            'addopts = "-rs"',
+        ]
         for row in rows:
             if not row.ini:
                 continue

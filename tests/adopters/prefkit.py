@@ -279,6 +279,97 @@ def fused_linear_cosine(
     return loss
 
 
+# --- per-token log-probabilities ------------------------------------------------------------
+
+
+def token_logps_reference(
+    x: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, ignore_index: int = -100
+) -> Tensor:
+    """Plain PyTorch: each token's log-probability of its target, 0 where the target is
+    ignored; the shape of ``target``, in at least float32."""
+    mask = target != ignore_index
+    logps = _logits(x, weight, bias).log_softmax(-1)
+    picked = logps.gather(-1, torch.where(mask, target, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, picked, 0.0)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """forward(x, weight, bias, target, ignore_index, chunk_size): the per-token output of a
+    fused linear head, in float32 chunks of rows, with no logits kept: backward computes each
+    chunk's logits again and takes their gradient in closed form from the cotangent ``g``
+    (``g * (onehot(target) - softmax(z))`` on valid tokens), then ``grad_x = dz @ weight`` and
+    ``grad_weight += dz.T @ x`` accumulated in float32, as GRPO-style kernels do."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        target: Tensor,
+        ignore_index: int,
+        chunk_size: int,
+    ) -> Tensor:
+        rows, tokens = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+        out = torch.empty(tokens.shape, dtype=torch.float32, device=x.device)
+        logsumexp = torch.empty_like(out)
+        for start in range(0, rows.shape[0], chunk_size):
+            stop = min(start + chunk_size, rows.shape[0])
+            z = _kernel_logits(rows[start:stop], weight, bias, upcast=True)
+            labels = tokens[start:stop]
+            mask = labels != ignore_index
+            logsumexp[start:stop] = torch.logsumexp(z, -1)
+            picked = z.gather(-1, torch.where(mask, labels, 0).unsqueeze(-1)).squeeze(-1)
+            out[start:stop] = torch.where(mask, picked - logsumexp[start:stop], 0.0)
+        ctx.save_for_backward(x, weight, bias, target, logsumexp)
+        ctx.ignore_index, ctx.chunk_size = ignore_index, chunk_size
+        return out.view(target.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Any, ...]:
+        x, weight, bias, target, logsumexp = ctx.saved_tensors
+        rows, tokens = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+        cotangent = grad_out.reshape(-1).float()
+        grad_x = torch.empty_like(rows)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        for start in range(0, rows.shape[0], ctx.chunk_size):
+            stop = min(start + ctx.chunk_size, rows.shape[0])
+            chunk = rows[start:stop].float()
+            z = _kernel_logits(chunk, weight, bias, upcast=True)
+            labels = tokens[start:stop]
+            mask = labels != ctx.ignore_index
+            g = torch.where(mask, cotangent[start:stop], 0.0)
+            dz = (z - logsumexp[start:stop, None]).exp_().mul_(-g[:, None])
+            dz.scatter_add_(-1, torch.where(mask, labels, 0)[:, None], g[:, None])
+            grad_x[start:stop] = dz @ weight.float()
+            grad_weight += dz.T @ chunk
+            if grad_bias is not None:
+                grad_bias += dz.sum(0)
+        return (
+            grad_x.view(x.shape),
+            grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def fused_linear_token_logps(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    ignore_index: int = -100,
+    chunk_size: int = 16,
+) -> Tensor:
+    """Each token's log-probability of its target (0 where ignored), a float32 tensor of
+    ``target``'s shape, from chunks of rows of ``x @ weight.T + bias`` in float32."""
+    result: Tensor = _ChunkedTokenLogps.apply(x, weight, bias, target, ignore_index, chunk_size)
+    return result
+
+
 # --- preference: DPO -------------------------------------------------------------------------
 
 AUX_NAMES = (

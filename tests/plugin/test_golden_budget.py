@@ -122,6 +122,41 @@ def test_golden_must_be_more_precise(grad_reference):
     pytester.runpytest().assert_outcomes(passed=2)
 
 
+def test_a_budget_under_the_tolerance_verdict_skips_with_one_reason(
+    pytester: pytest.Pytester,
+) -> None:
+    """--gradref-verdict=tolerance turns the default golden off, so a check that asks for a
+    budget cannot be made: its test is skipped, every such test with the same reason (one line
+    under -rs), where it used to error test by test; the default verdict runs them all."""
+    budget_test = """
+def test_budget_{name}(grad_reference):
+    x = torch.randn(8)
+    ref = grad_reference(lambda t: t.sin().sum(), x)
+    ref.assert_close(x.sin().sum(), x.cos(), budget=4)
+"""
+    pytester.makepyfile(
+        "import torch\n"
+        + budget_test.format(name="a")
+        + budget_test.format(name="b")
+        + """
+def test_tolerance(grad_reference):
+    x = torch.randn(8)
+    ref = grad_reference(lambda t: t.sin().sum(), x)
+    ref.assert_close(x.sin().sum(), x.cos())
+"""
+    )
+    result = pytester.runpytest("-rs", "--gradref-verdict=tolerance")
+    result.assert_outcomes(passed=1, skipped=2)
+    result.stdout.fnmatch_lines(
+        [
+            "SKIPPED [[]2[]] *reference.py:*: assert_close(budget=...) needs the float64 golden, "
+            "which --gradref-verdict=tolerance from the --gradref-verdict option turns off; run "
+            "without it to check these tests"
+        ]
+    )
+    pytester.runpytest().assert_outcomes(passed=3)
+
+
 def test_marker_budget_without_golden_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """

@@ -360,6 +360,10 @@ def test_unknown(grad_reference):
             "cpu, cuda, mps, npu, widget, xpu"
         ]
     )
+    # The error is the last thing printed: pytest writes its summary ("no tests ran") to
+    # stdout first, then the usage error to stderr, with nothing after it.
+    assert [line for line in result.stderr.lines if line.strip()][-1].startswith("ERROR: ")
+    assert "no tests ran" in [line for line in result.outlines if line.strip()][-1]
     # Misuse is an error even in a test that -k deselects: the marker is wrong everywhere.
     assert pytester.runpytest("--gradref-device=cpu", "-k", "runs_on_cpu").ret == 4
     pytester.makepyfile(
