@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -104,6 +105,26 @@ def make_jsd_inputs(gradref_device: torch.device) -> Callable[..., JSDInputs]:
         return make_inputs(device or gradref_device, dtype, **kwargs)
 
     return make
+
+
+def _runs_triton(item: pytest.Item) -> bool:
+    """Whether a test runs the Triton kernels: it asks for ``triton_device``, or takes the
+    "triton" parameter of ``implementation`` or ``kernel``."""
+    params = getattr(item, "callspec", None)
+    chosen = params.params.values() if params is not None else ()
+    return "triton_device" in getattr(item, "fixturenames", ()) or "triton" in chosen
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Where Triton runs in its CPU interpreter (no CUDA: the root conftest chose it), its tests
+    # check Triton's code, not a path the device has, at about a second a test: they belong to
+    # the exhaustive run (the test command and CI), not to the README's main job, which
+    # deselects the exhaustive marker.
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    for item in items:
+        if _runs_triton(item):
+            item.add_marker(pytest.mark.exhaustive)
 
 
 @pytest.fixture
