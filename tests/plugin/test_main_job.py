@@ -38,6 +38,13 @@ def main_job() -> list[str]:
     return _collected("1", "-m", "not exhaustive", "-p", "no:randomly")
 
 
+@pytest.fixture(scope="module")
+def main_job_with_cuda() -> list[str]:
+    # TRITON_INTERPRET=0: Triton compiles for the GPU, a path the device has. The kernels'
+    # tests still collect on a CPU-only machine (they skip there when run).
+    return _collected("0", "-m", "not exhaustive", "-p", "no:randomly")
+
+
 def test_the_main_job_runs_every_path_of_the_cpu(main_job: list[str]) -> None:
     for path in (
         "test_fused_linear_jsd.py::test_correctness[",  # the module
@@ -50,10 +57,10 @@ def test_the_main_job_runs_every_path_of_the_cpu(main_job: list[str]) -> None:
 
 
 def test_the_main_job_leaves_out_the_large_shapes_and_interpreted_triton(
-    main_job: list[str],
+    main_job: list[str], main_job_with_cuda: list[str]
 ) -> None:
     everything = set(_collected("1", "-p", "no:randomly"))
-    with_cuda = set(_collected("0", "-m", "not exhaustive", "-p", "no:randomly"))
+    with_cuda = set(main_job_with_cuda)
     # Everywhere: the large shapes, and nothing else.
     assert all("8x128x1024x4096" in node for node in everything - with_cuda)
     assert any("8x128x1024x4096" in node for node in everything - with_cuda)
@@ -65,8 +72,6 @@ def test_the_main_job_leaves_out_the_large_shapes_and_interpreted_triton(
     assert len(interpreted) > len({node for node in with_cuda if "[triton" in node})
 
 
-def test_with_cuda_the_main_job_keeps_the_triton_kernels() -> None:
-    # TRITON_INTERPRET=0: Triton compiles for the GPU, a path the device has. The kernels'
-    # tests still collect on a CPU-only machine (they skip there when run).
-    selected = _collected("0", "-m", "not exhaustive", "-p", "no:randomly")
+def test_with_cuda_the_main_job_keeps_the_triton_kernels(main_job_with_cuda: list[str]) -> None:
+    selected = main_job_with_cuda
     assert any("test_compile.py::test_compiled_function[triton-" in node for node in selected)
