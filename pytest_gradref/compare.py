@@ -484,8 +484,7 @@ def _finish(item: Item, values: Sequence[float], statistics: bool = True) -> Ite
     if fitted:
         design = LeastSquares(actual.numel(), named["sum_g"], named["golden_norm"] ** 2)
 
-    def side(position: int) -> SideErrors:
-        prefix = f"{position}."
+    def side(prefix: str) -> SideErrors:
         side_max, side_norm = named[prefix + "max"], named[prefix + "norm"]
         fit = None
         if design is not None:
@@ -497,8 +496,7 @@ def _finish(item: Item, values: Sequence[float], statistics: bool = True) -> Ite
     if design is not None:
         own_fit = design.fit(named["sum_e"], named["sum_eg"], named["norm"] ** 2)
         scale_se, bias_se = design.standard_errors(own_fit.residual)
-    sides = 1 + (item.rounded is not None) + len(item.samples)
-    others = [side(position) for position in range(sides)]
+    others = [side(prefix) for prefix in _side_prefixes(item)[1:]]  # the references' sides
     rounded_sides = 2 if item.rounded is not None else 1
     # The item's scale: the golden's greatest finite magnitude, or for a scalar value the sum
     # of its first-order terms where larger (a NaN in either stays NaN, and fails).
