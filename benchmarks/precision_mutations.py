@@ -42,6 +42,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -389,11 +390,17 @@ def gate_section(log: str) -> tuple[int | None, dict[str, str]]:
 
 
 def run_suite(
-    name: str, selection: list[str], workers: int, baseline: str, out: Path, label: str
+    name: str,
+    selection: list[str],
+    workers: int,
+    threads: int,
+    baseline: str,
+    out: Path,
+    label: str,
 ) -> Outcome:
     """The selected tests under the CI baseline gate, with mutation ``name`` (none for
-    UNMUTATED) applied in every test process; the log and JUnit XML go to ``out``, named by
-    ``label``."""
+    UNMUTATED) applied in every test process, each computing on ``threads`` CPU threads; the log
+    and JUnit XML go to ``out``, named by ``label``."""
     hits_dir = out / f"{label}.hits"
     hits_dir.mkdir(parents=True, exist_ok=True)
     for stale in hits_dir.glob("*.hits"):
@@ -403,6 +410,7 @@ def run_suite(
     if name != UNMUTATED:
         env[_mutations.ENV] = name
     env[_mutations.HITS_ENV] = str(hits_dir)
+    env["GRADREF_THREADS"] = str(threads)
     # Prepended: an environment that installs the plugin through PYTHONPATH keeps it.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS), env.get("PYTHONPATH")) if p)
     command = [
@@ -513,6 +521,14 @@ def main() -> int:
         "-n", dest="workers", type=int, default=2, help="xdist workers (0: serial; default 2)"
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="suites run at once (default 1); each test process then computes on an equal share "
+        "of the cores. CI runs --jobs 2 -n 0: two serial runs start two interpreters where one "
+        "run under -n 2 starts three",
+    )
+    parser.add_argument(
         "--baseline",
         default=BASELINE,
         help=f"the precision report the gate compares with (default: {BASELINE}, as CI)",
@@ -539,7 +555,7 @@ def main() -> int:
     for target in targets:
         say(
             f"suite ({target}): pytest {' '.join(suites[target])} -n {args.workers} "
-            f"--gradref-baseline={args.baseline} --gradref-baseline-fail"
+            f"--gradref-baseline={args.baseline} --gradref-baseline-fail ({args.jobs} at once)"
         )
     say(f"logs: {out}")
     say()
@@ -581,9 +597,20 @@ def main() -> int:
     unmutated_runs: dict[str, Outcome] = {}
     runs = [(UNMUTATED, target) for target in targets]
     runs += [(name, _mutations.MUTATIONS[name][2]) for name in args.only]
-    for name, target in runs:
-        label = f"{name}-{target}" if name == UNMUTATED else name
-        outcome = run_suite(name, suites[target], args.workers, args.baseline, out, label)
+    labels = [f"{name}-{target}" if name == UNMUTATED else name for name, target in runs]
+    threads = max(1, (os.cpu_count() or 1) // (args.jobs * max(args.workers, 1)))
+    # The runs are independent processes; only their judging needs the unmutated run first.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        outcomes = list(
+            pool.map(
+                lambda run, label: run_suite(
+                    run[0], suites[run[1]], args.workers, threads, args.baseline, out, label
+                ),
+                runs,
+                labels,
+            )
+        )
+    for (name, target), label, outcome in zip(runs, labels, outcomes):
         unmutated = unmutated_runs.get(target)
         verdict = judge(outcome, unmutated)
         if name == UNMUTATED:
