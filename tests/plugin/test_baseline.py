@@ -64,7 +64,7 @@ def test_fourfold_error_growth_is_named(
 ) -> None:
     monkeypatch.setenv("KERNEL_SKEW", "1e-7")
     args = ["--gradref-device=cpu", f"--gradref-baseline={baseline}", *workers]
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     result.assert_outcomes(passed=3)
     assert result.ret == pytest.ExitCode.OK  # named, but the session does not fail
     result.stdout.fnmatch_lines(
@@ -86,12 +86,12 @@ def test_fourfold_error_growth_is_named(
             ]
         )
     assert "gradient of argument 1" not in result.stdout.str().split("gradref baseline")[-1]
-    failing = pytester.runpytest_subprocess(*args, "--gradref-baseline-fail")
+    failing = pytester.runpytest(*args, "--gradref-baseline-fail")
     failing.assert_outcomes(passed=3)
     assert failing.ret == BASELINE_REGRESSION_EXIT
     failing.stdout.fnmatch_lines(["*3 regressions*; the session fails (exit status 6)"])
     # A looser threshold lets the same growth pass.
-    loose = pytester.runpytest_subprocess(
+    loose = pytester.runpytest(
         *args, "--gradref-baseline-fail", "--gradref-baseline-threshold=5"
     )
     assert loose.ret == pytest.ExitCode.OK

@@ -198,7 +198,7 @@ def test_skip(grad_reference):
 def test_under_xdist(pytester: pytest.Pytester) -> None:
     # One run, as each costs a torch import per process.
     pytester.makepyfile(XDIST_TESTS)
-    result = pytester.runpytest_subprocess("-n", "2", "-rsx")
+    result = pytester.runpytest("-n", "2", "-rsx")
     result.assert_outcomes(passed=5, xfailed=1, skipped=1)
     result.stdout.fnmatch_lines_random(
         [

@@ -237,7 +237,7 @@ def test_failing_hung_and_crashed_ranks_fail_their_tests(
         return next(number for number, text in enumerate(written, 1) if code in text)
 
     # The timeout comes from the setting: short, for the hung test.
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "-p", "no:randomly", "-rs", "--gradref-rank-timeout=3", "--gradref-device=cpu"
     )
     result.assert_outcomes(passed=3, failed=6, skipped=1)
@@ -352,7 +352,7 @@ def test_two_multi_rank_tests_run_side_by_side_under_xdist(
     out = pytester.mkdir("out")
     monkeypatch.setenv("RANKS_OUT", str(out))
     pytester.makepyfile(test_side=SIDE_BY_SIDE)
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "-n", "2", "--gradref-device=cpu")
+    result = pytester.runpytest("-p", "no:randomly", "-n", "2", "--gradref-device=cpu")
     result.assert_outcomes(passed=2)
     records = [json.loads((out / f"{i}-{r}.json").read_text()) for i in (0, 1) for r in (0, 1)]
     assert {record["total"] for record in records} == {3.0}

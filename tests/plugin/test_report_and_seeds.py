@@ -40,7 +40,7 @@ def test_off_by_a_little(grad_reference, gradref_device):
 
 def _report(pytester: pytest.Pytester, *args: str) -> dict:
     # cpu explicitly: on a machine with accelerators, -n 2 would spread the workers over them.
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "--gradref-device=cpu", "--gradref-report=report.json", *args
     )
     result.assert_outcomes(passed=3)
@@ -169,6 +169,7 @@ def test_an_interrupted_report_write_leaves_the_previous_report(pytester: pytest
     pytester.makepyfile(CASES)
     previous = json.dumps(_report(pytester))
     pytester.makeconftest(INTERRUPTS_THE_REPORT)
+    # A subprocess: the conftest replaces json.dumps for the whole process.
     result = pytester.runpytest_subprocess("--gradref-device=cpu", "--gradref-report=report.json")
     assert result.ret != pytest.ExitCode.OK
     # The report's own write was interrupted (not another plugin's, before it).
@@ -415,6 +416,7 @@ def test_disagree(grad_reference):
     ref.assert_close((x * x).sum(), 2 * x)
 """
     )
+    # A subprocess: the conftest replaces torch.func.grad_and_value for the whole process.
     result = pytester.runpytest_subprocess("--gradref-strategy=crosscheck")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
@@ -460,7 +462,7 @@ def test_draw(i, gradref_device):
 def _draws(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> list:
     out = pytester.mkdir(f"draws{len(list(pytester.path.glob('draws*')))}")
     monkeypatch.setenv("DRAWS_DIR", str(out))
-    pytester.runpytest_subprocess(*args).assert_outcomes(passed=4)
+    pytester.runpytest(*args).assert_outcomes(passed=4)
     return [json.loads((out / f"draw{i}.json").read_text()) for i in range(4)]
 
 
@@ -528,7 +530,7 @@ def test_the_header_is_shown_under_xdist_and_quiet(pytester: pytest.Pytester) ->
     # -q shows no session header, and an xdist controller collects nothing: the line heads the
     # workers' section instead, with each setting's source.
     pytester.makepyfile("def test_x(gradref_device): pass")
-    result = pytester.runpytest_subprocess("-q", "-n", "2", "--gradref-seed=9")
+    result = pytester.runpytest("-q", "-n", "2", "--gradref-seed=9")
     result.stdout.fnmatch_lines(
         [
             "*= gradref workers =*",

@@ -213,7 +213,7 @@ def test_dtensor(gradref_rank, grad_reference, gather):
 
 def test_sharded_gradients_in_two_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_sharded=SHARDED)
-    result = pytester.runpytest_subprocess(
+    result = pytester.runpytest(
         "-p", "no:randomly", "--gradref-report=report.json", "--gradref-device=cpu"
     )
     result.assert_outcomes(passed=3, failed=2)

@@ -84,7 +84,7 @@ def test_where(i, gradref_device, pytestconfig, worker_id):
 def _where(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, *args: str) -> dict:
     out = pytester.mkdir(f"where{len(list(pytester.path.glob('where*')))}")
     monkeypatch.setenv("WHERE_DIR", str(out))
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest(*args)
     result.assert_outcomes(passed=8)
     ran = [json.loads((out / f"{i}.json").read_text()) for i in range(8)]
     return {"result": result, "by_worker": dict(map(tuple, ran))}
@@ -147,6 +147,6 @@ def test_serial(gradref_device, pytestconfig):
     assert pytestconfig.stash[state_key].resolved.label == "multi:0 on cpu"
 """
     )
-    result = pytester.runpytest_subprocess("-p", "no:xdist", "--gradref-device=multi")
+    result = pytester.runpytest("-p", "no:xdist", "--gradref-device=multi")
     result.assert_outcomes(passed=1)
     result.stdout.no_fnmatch_line("*gradref workers*")
