@@ -91,9 +91,7 @@ def test_fourfold_error_growth_is_named(
     assert failing.ret == BASELINE_REGRESSION_EXIT
     failing.stdout.fnmatch_lines(["*3 regressions*; the session fails (exit status 6)"])
     # A looser threshold lets the same growth pass.
-    loose = pytester.runpytest(
-        *args, "--gradref-baseline-fail", "--gradref-baseline-threshold=5"
-    )
+    loose = pytester.runpytest(*args, "--gradref-baseline-fail", "--gradref-baseline-threshold=5")
     assert loose.ret == pytest.ExitCode.OK
 
 

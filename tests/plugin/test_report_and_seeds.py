@@ -40,9 +40,7 @@ def test_off_by_a_little(grad_reference, gradref_device):
 
 def _report(pytester: pytest.Pytester, *args: str) -> dict:
     # cpu explicitly: on a machine with accelerators, -n 2 would spread the workers over them.
-    result = pytester.runpytest(
-        "--gradref-device=cpu", "--gradref-report=report.json", *args
-    )
+    result = pytester.runpytest("--gradref-device=cpu", "--gradref-report=report.json", *args)
     result.assert_outcomes(passed=3)
     return json.loads((pytester.path / "report.json").read_text())
 
