@@ -29,6 +29,7 @@ This module imports neither torch nor pytest: ``pytest-gradref diff`` starts fas
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -221,6 +222,21 @@ def parse_report(document: Any, name: str) -> Report:
     )
 
 
+class RegressionKind(enum.Enum):
+    """Why an item is a regression, decided on its numbers (the message is written from them)."""
+
+    NAN = "its error is now NaN"
+    NOW_FAILS = "it passed before and fails now"
+    GREW = "its error grew past the threshold"
+    DRIFTED = "its normwise error moved further than rounding noise moves it"
+
+    @property
+    def is_growth(self) -> bool:
+        """Whether the kind is a change of the error's size, which a change of device numerics
+        (a simulated against a real device) makes too; a NaN or a failure is one anywhere."""
+        return self in (RegressionKind.GREW, RegressionKind.DRIFTED)
+
+
 @dataclass(frozen=True)
 class ItemDiff:
     """One item in both reports."""
@@ -252,6 +268,8 @@ class ItemDiff:
     norm_noise_floor: float = math.nan
     numel: int = 0
     drift_band: float = math.nan
+    # The kind of regression (counted or not), None where the item is none.
+    kind: RegressionKind | None = None
 
 
 @dataclass(frozen=True)
@@ -513,20 +531,32 @@ def _drift_band(dtype: str, numel: int) -> float:
     return 1 + DRIFT_SIGMAS * ROUNDING_NORM_SPREAD / math.sqrt(numel)
 
 
-def _verdict(item: ItemDiff, threshold: float) -> str:
+def _kind(item: ItemDiff, threshold: float) -> RegressionKind | None:
+    """The item's regression kind, from its numbers; None where it is no regression."""
     if math.isnan(item.after) and not math.isnan(item.before):
-        return "error is now NaN"
+        return RegressionKind.NAN
     if item.passed_before and not item.passed_after:
-        return "now fails"
+        return RegressionKind.NOW_FAILS
     if item.ratio > threshold:
-        return f"{'normwise ' if item.normwise else ''}error grew {item.ratio:.3g}x"
+        return RegressionKind.GREW
     if item.normwise and item.ratio > item.drift_band:  # False for a NaN band
-        return (
-            f"normwise error drifted {item.ratio:.3g}x ({item.norm_before:.3g} -> "
-            f"{item.norm_after:.3g}): rounding noise moves it {item.drift_band:.3g}x at most "
-            f"over {item.numel} elements"
-        )
-    return ""
+        return RegressionKind.DRIFTED
+    return None
+
+
+def _verdict(item: ItemDiff, kind: RegressionKind) -> str:
+    """The message for a regression of ``kind``, written from the item's numbers."""
+    if kind is RegressionKind.NAN:
+        return "error is now NaN"
+    if kind is RegressionKind.NOW_FAILS:
+        return "now fails"
+    if kind is RegressionKind.GREW:
+        return f"{'normwise ' if item.normwise else ''}error grew {item.ratio:.3g}x"
+    return (
+        f"normwise error drifted {item.ratio:.3g}x ({item.norm_before:.3g} -> "
+        f"{item.norm_after:.3g}): rounding noise moves it {item.drift_band:.3g}x at most "
+        f"over {item.numel} elements"
+    )
 
 
 def compare_reports(
@@ -605,13 +635,15 @@ def compare_reports(
                 numel=numel,
                 drift_band=drift_band,
             )
-            verdict = _verdict(item, threshold)
-            # Across a simulated and a real device only growth is the code path's: a NaN or a
-            # failure is one on either device, and counts.
-            if uncounted_why and "error grew" in verdict:
-                diff.items.append(replace(item, uncounted=verdict))
+            kind = _kind(item, threshold)
+            verdict = "" if kind is None else _verdict(item, kind)
+            # Across a simulated and a real device a change of the error's size (grown or
+            # drifted) is the devices' numerics as much as the code's, and is shown, not
+            # counted; a NaN or a failure is one on either device, and counts.
+            if uncounted_why and kind is not None and kind.is_growth:
+                diff.items.append(replace(item, kind=kind, uncounted=verdict))
             else:
-                diff.items.append(replace(item, regression=verdict))
+                diff.items.append(replace(item, kind=kind, regression=verdict))
     diff.items.sort(key=_worst_first)
     return diff
 

@@ -229,6 +229,8 @@ def render_json(diff: Diff) -> str:
                 "passed_after": item.passed_after,
                 "regression": item.regression or None,
                 "uncounted": item.uncounted or None,
+                # What kind of change it is (nan, now_fails, grew, drifted), counted or not.
+                "kind": item.kind.name.lower() if item.kind is not None else None,
             }
             for item in diff.items
         ],

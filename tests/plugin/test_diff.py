@@ -1034,6 +1034,7 @@ def test_a_half_precision_normwise_drift_beyond_its_rounding_noise_is_flagged(
     assert "<- normwise error drifted 1.15x" in out
     [row] = json.loads(_diff(capsys, base, new, "--format=json")[1])["items"]
     assert (row["numel"], row["drift_band"]) == (4371, pytest.approx(item.drift_band))
+    assert row["kind"] == "drifted"
     # The same in float16; shrinking errors are no drift.
     assert compare(2.0e-3, 2.3e-3, 4371, "float16")[2].regressions
     assert not compare(2.3e-3, 2.0e-3, 4371)[2].regressions
@@ -1138,3 +1139,37 @@ def test_an_item_as_noisy_as_its_reference_is_judged_at_its_references_noise(
     assert earned.items[0].noise_floor == pytest.approx(diff_module.REFERENCE_NOISE_STEPS * step)
     [regression] = earned.regressions
     assert regression.regression == "error grew 2.4x"
+
+
+def test_a_drift_and_a_growth_count_alike_across_a_simulated_and_a_real_device(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The two kinds of a change of the error's size: a 3.2x growth of the greatest error and a
+    # 1.15x drift of a bf16 gradient's normwise error. Between two real reports both count;
+    # between a simulated and a real one neither does (the devices' numerics move both), each
+    # shown with its kind, decided on the numbers and not on the message.
+    def pair(before: float, after: float, max_after: float) -> tuple[Any, Any]:
+        old = _on_device(_half_precision_report(before, 4371), "cuda", "autograd")
+        new = _on_device(_half_precision_report(after, 4371), "npu", "autograd")
+        new["tests"][0]["items"][0]["max_abs"] = max_after
+        return old, new
+
+    half_step = diff_module.EPSILONS["bfloat16"] / 2
+    cases = {
+        diff_module.RegressionKind.DRIFTED: pair(2.0e-3, 2.3e-3, half_step),
+        diff_module.RegressionKind.GREW: pair(2.0e-3, 2.0e-3, 4 * 3.2 * 2 * half_step),
+    }
+    for kind, (old, new) in cases.items():
+        real = diff_module.compare_reports(
+            *map(diff_module.parse_report, (old, new), "bn"), allow_mismatch=True
+        )
+        [item] = real.items
+        assert (item.kind, bool(item.regression), item.uncounted) == (kind, True, "")
+        new["simulated"] = True
+        simulated = diff_module.compare_reports(
+            *map(diff_module.parse_report, (old, new), "bn"), allow_mismatch=True
+        )
+        [item] = simulated.items
+        assert (item.kind, item.regression) == (kind, "")
+        assert item.uncounted.startswith(("error grew", "normwise error drifted"))
+        assert not simulated.regressions
