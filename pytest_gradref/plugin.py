@@ -23,6 +23,13 @@ from pytest_gradref import hookspecs
 from pytest_gradref.backends import BackendRegistry, builtin_backends
 from pytest_gradref.device_coverage import USE_ATTRIBUTE, DeviceCoverage, device_use
 from pytest_gradref.header import header_once
+from pytest_gradref.launcher import (
+    LauncherHooks,
+    launched_context_key,
+    launched_rank,
+    launched_settings,
+    refuse_reordering,
+)
 from pytest_gradref.markers import (
     ALL_MARKERS,
     DEVICE_MARKERS,
@@ -146,6 +153,11 @@ def _registry(config: pytest.Config) -> BackendRegistry:
 def pytest_configure(config: pytest.Config) -> None:
     registry = _registry(config)  # registers policies; probes none
     settings = read_settings(config, registry)
+    # Under torchrun each launcher process is one rank; otherwise the plugin spawns the ranks.
+    launched = None if is_xdist_worker(config) else launched_rank(os.environ)
+    if launched is not None:
+        refuse_reordering(config, launched)
+        settings = launched_settings(settings, launched)
     if settings.report and not is_xdist_worker(config):
         check_report_path(settings.report)  # before any test runs, not after the whole suite
     # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
@@ -158,7 +170,10 @@ def pytest_configure(config: pytest.Config) -> None:
     device_request = worker_device_request(config, registry) or settings.device
     state = GradrefState(registry=registry, settings=settings, device_request=device_request)
     config.stash[state_key] = state
-    config.pluginmanager.register(RankHooks(config, state), "gradref-ranks")
+    if launched is None:
+        config.pluginmanager.register(RankHooks(config, state), "gradref-ranks")
+    else:
+        config.pluginmanager.register(LauncherHooks(config, state, launched), "gradref-ranks")
     coverage = DeviceCoverage(strict=settings.strict_device)
     config.pluginmanager.register(coverage, "gradref-device-coverage")
     collector = ReportCollector(
@@ -278,7 +293,8 @@ def gradref_device(pytestconfig: pytest.Config) -> torch.device:
 def gradref_rank(request: pytest.FixtureRequest) -> RankContext:
     """In a test marked ``@pytest.mark.gradref_ranks(N)``, whose body runs in N processes:
     this rank's number, the world size, its device and the process group."""
-    return rank_fixture(request.node)
+    launched = request.node.stash.get(launched_context_key, None)
+    return launched if launched is not None else rank_fixture(request.node)
 
 
 @pytest.fixture
@@ -331,7 +347,7 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
             f"{state.settings.source(VERDICT_OPTION)}"
         ),
     )
-    return GradReference(
+    reference = GradReference(
         strategy=strategy,
         default_strategy=setup.backend.default_strategy,
         policy=policy,
@@ -341,3 +357,10 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         default_golden=torch.float64 if golden_verdict else None,
         recording=recording,
     )
+    launched = request.node.stash.get(launched_context_key, None)
+    if launched is None:
+        return reference
+    # A rank of a test the launcher runs: each rank holds its shards, as a spawned rank does.
+    from pytest_gradref.sharding import RankGradReference
+
+    return RankGradReference.for_rank(reference, launched.rank, launched.world_size)

@@ -49,6 +49,7 @@ CONFIGURE_LAYER = {
         ".device_coverage",
         ".diff",
         ".header",
+        ".launcher",
         ".hookspecs",
         ".inputs",
         ".markers",

@@ -1,0 +1,337 @@
+"""Multi-rank tests under torchrun: each launcher process is one rank and the plugin spawns
+none (launcher.py).
+
+The parsing and the checks that refuse a session are tested in this process; the rest runs the
+way users launch it: ``torchrun --nproc-per-node=2 -m pytest`` on one host, and two torchrun
+agents that meet over a c10d rendezvous as two nodes would."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_gradref.launcher import LaunchedRank, first_difference, launched_rank
+
+LAUNCHED = {
+    "RANK": "1",
+    "WORLD_SIZE": "2",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
+
+
+def test_a_process_no_launcher_started_is_not_a_rank() -> None:
+    assert launched_rank({}) is None
+    # RANK alone is too common a name to mean a launcher.
+    assert launched_rank({"RANK": "3"}) is None
+
+
+def test_a_rank_knows_its_node() -> None:
+    assert launched_rank({**LAUNCHED, "GROUP_RANK": "1"}) == LaunchedRank(1, 2, 1, 1)
+    assert launched_rank({**LAUNCHED, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == (
+        LaunchedRank(3, 4, 1, 1)
+    )
+    assert launched_rank(LAUNCHED) == LaunchedRank(1, 2, 1, 0)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"MASTER_PORT": ""},
+            "a launcher set RANK=1, WORLD_SIZE=2, LOCAL_RANK=1 but not MASTER_PORT",
+        ),
+        ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+        ({"RANK": "2"}, "RANK=2 is outside 0 to WORLD_SIZE - 1"),
+    ],
+)
+def test_a_launcher_environment_that_cannot_work_is_a_usage_error(
+    changes: dict[str, str], message: str
+) -> None:
+    with pytest.raises(pytest.UsageError, match=message):
+        launched_rank({**LAUNCHED, **changes})
+
+
+def test_the_first_difference_of_two_collections_is_named() -> None:
+    assert first_difference(["a", "b", "c"], ["a", "c", "b"]) == "test 2 is b here and c there"
+    assert (
+        first_difference(["a"], ["a", "b"])
+        == "one collected 1 tests, the other 2 (the first extra: b)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [(("-n", "2", "-p", "no:randomly"), "drop -n/--dist"), ((), "add -p no:randomly")],
+)
+def test_plugins_that_reorder_the_ranks_tests_are_refused(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], option: str
+) -> None:
+    for name, value in LAUNCHED.items():
+        monkeypatch.setenv(name, value)
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_inprocess(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: under a launcher (torchrun: rank 1 of 2 *{option}*"])
+
+
+# Each rank writes what it saw of each test; the tests read it back by rank.
+CONFTEST = """
+import json, os
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or report.outcome == "skipped":
+        with open(f"outcomes-{os.environ['RANK']}.jsonl", "a") as out:
+            text = str(report.longrepr) if report.failed or report.skipped else ""
+            out.write(json.dumps([report.nodeid.split("::")[1], report.outcome, text]) + "\\n")
+"""
+
+TENSOR_PARALLEL = """
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def loss(x, w):
+    return torch.tanh(x @ w.T).square().sum()
+
+
+@pytest.mark.parametrize("bug", ["none", "missing_all_reduce"])
+@pytest.mark.gradref_ranks(2)
+def test_vocab_parallel(gradref_rank, gradref_device, grad_reference, bug):
+    with open(f"bodies-{os.getpid()}", "a") as out:
+        out.write(f"{gradref_rank.rank} {gradref_rank.world_size} {os.environ['RANK']}\\n")
+    x = torch.randn(4, 8, device=gradref_device)
+    w = torch.randn(6, 8, device=gradref_device)
+    ref = grad_reference(loss, x, w, argnums=(0, 1), shards={"w": 0})
+    xl = x.clone().requires_grad_()
+    wl = gradref_rank.shard(w).requires_grad_()
+    out = loss(xl, wl)
+    out.backward()
+    total = out.detach()
+    dist.all_reduce(total, group=gradref_rank.group)
+    gx = xl.grad
+    if bug != "missing_all_reduce":
+        dist.all_reduce(gx, group=gradref_rank.group)
+    ref.assert_close(total, (gx, wl.grad))
+
+
+@pytest.mark.gradref_ranks(2)
+def test_fails_on_rank_1_only(gradref_rank):
+    assert gradref_rank.rank == 0, "rank 1's planted failure"
+
+
+@pytest.mark.gradref_ranks(1)
+def test_on_the_first_rank(gradref_rank):
+    assert gradref_rank.world_size == 1
+
+
+@pytest.mark.gradref_ranks(3)
+def test_three_ranks(gradref_rank):
+    pass
+
+
+def test_unmarked():
+    pass
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *args]
+
+
+PYTEST = ["-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--gradref-device=cpu"]
+
+
+def _outcomes(path: Path, rank: int) -> dict[str, tuple[str, str]]:
+    lines = (path / f"outcomes-{rank}.jsonl").read_text().splitlines()
+    return {name: (outcome, text) for name, outcome, text in map(json.loads, lines)}
+
+
+def _bodies(path: Path) -> list[tuple[int, int, int]]:
+    """(rank, world size, RANK) of every body run, one list per process."""
+    runs = []
+    for file in sorted(path.glob("bodies-*")):
+        ranks = {tuple(map(int, line.split())) for line in file.read_text().splitlines()}
+        assert len(ranks) == 1, f"one process ran the bodies of several ranks: {ranks}"
+        runs.append(ranks.pop())
+    return sorted(runs)
+
+
+def _check_two_ranks(path: Path, output: str) -> None:
+    """What both layouts of a two-rank job must show."""
+    # Each body ran once per rank, in the launcher's own processes: no pool of the plugin's.
+    assert _bodies(path) == [(0, 2, 0), (1, 2, 1)]
+    for rank in (0, 1):
+        outcomes = _outcomes(path, rank)
+        assert outcomes["test_vocab_parallel[none]"][0] == "passed"
+        # The planted missing all-reduce fails on both ranks, each on its own gradient.
+        outcome, text = outcomes["test_vocab_parallel[missing_all_reduce]"]
+        assert outcome == "failed"
+        assert "gradient of argument 0 (x)" in text
+        assert outcomes["test_unmarked"][0] == "passed"
+    # A failure on one rank fails the test on every rank, naming it and its message.
+    assert _outcomes(path, 1)["test_fails_on_rank_1_only"][0] == "failed"
+    outcome, text = _outcomes(path, 0)["test_fails_on_rank_1_only"]
+    assert outcome == "failed"
+    assert "gradref_ranks(2) under the launcher: rank(s) 1 failed" in text
+    assert "rank 1: AssertionError: rank 1's planted failure" in text
+    assert "rank 0: 2 failed, 3 passed, 1 skipped" in output  # rank 0's summary of every rank
+    assert "rank 1: 2 failed, 2 passed, 2 skipped" in output
+
+
+def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_tp=TENSOR_PARALLEL)
+    done = subprocess.run(
+        _torchrun(
+            "--nproc-per-node=2",
+            f"--master-port={_free_port()}",
+            *PYTEST,
+            "-rs",
+            "--gradref-report=report.json",
+        ),
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "torchrun: rank 0 of 2 (local rank 0, node 0)" in output
+    assert "torchrun: rank 1 of 2 (local rank 1, node 0)" in output
+    _check_two_ranks(pytester.path, output)
+    # A test for fewer ranks runs on the first ones; one for more skips, with the counts.
+    assert _outcomes(pytester.path, 0)["test_on_the_first_rank"][0] == "passed"
+    outcome, text = _outcomes(pytester.path, 1)["test_on_the_first_rank"]
+    assert outcome == "skipped"
+    assert (
+        "Skipped: [gradref] gradref_ranks(1) runs on ranks 0 to 0 of the 2 the launcher "
+        "started; this is rank 1"
+    ) in text
+    # Each rank writes its own report, of the items it checked.
+    for rank in (0, 1):
+        report = json.loads((pytester.path / f"report.rank{rank}.json").read_text())
+        checked = {test["nodeid"].partition("::")[2] for test in report["tests"]}
+        assert "test_vocab_parallel[none]" in checked
+    assert not (pytester.path / "report.json").exists()
+    for rank in (0, 1):
+        assert (
+            "gradref_ranks(3) needs 3 ranks; the launcher started 2"
+            in (_outcomes(pytester.path, rank)["test_three_ranks"][1])
+        )
+
+
+def test_two_torchrun_agents_meet_as_two_nodes(pytester: pytest.Pytester) -> None:
+    # What two nodes run, each with its --node-rank, here on the loopback address.
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_tp=TENSOR_PARALLEL)
+    port = _free_port()
+    agents = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=gradref-two-nodes",
+                *PYTEST,
+            ),
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    output = "".join(outputs)
+    assert all(agent.returncode != 0 for agent in agents), output
+    # Each agent is a node of its own (torchrun numbers them in the order they join).
+    nodes = sorted(
+        line.split("node ")[1].rstrip(")")
+        for line in output.splitlines()
+        if line.startswith("torchrun: rank")
+    )
+    assert nodes == ["0", "1"], output
+    _check_two_ranks(pytester.path, output)
+
+
+def test_ranks_that_collect_different_tests_fail_before_any_runs(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        test_tp="""
+import os
+
+def test_everywhere():
+    pass
+
+if os.environ["RANK"] == "1":
+    def test_on_rank_1_only():
+        pass
+"""
+    )
+    done = subprocess.run(
+        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert (
+        "ERROR: torchrun: rank 0 of 2 (local rank 0, node 0): rank 1 collected other tests "
+        "than this rank: one collected 1 tests, the other 2 (the first extra: "
+        "test_tp.py::test_on_rank_1_only)"
+    ) in output
+    assert " passed" not in output
+
+
+def test_a_hung_rank_prints_its_stack_and_ends_the_job(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_tp="""
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.gradref_ranks(2, timeout=3)
+def test_rank_1_skips_the_all_reduce(gradref_rank):
+    if gradref_rank.rank == 0:
+        dist.all_reduce(torch.ones(1))
+"""
+    )
+    done = subprocess.run(
+        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert (
+        "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::"
+        "test_rank_1_skips_the_all_reduce ran past the rank timeout of 3 s (from its "
+        "@pytest.mark.gradref_ranks(timeout=...)); this rank's stack, then its process ends:"
+    ) in output
+    # The stack shows where the hung rank waits: in the test's all-reduce.
+    assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_skips_the_all_reduce', output)
