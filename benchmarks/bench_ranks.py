@@ -3,6 +3,7 @@ plain test.
 
     python benchmarks/bench_ranks.py                  # 2 ranks on the CPU (gloo), 30 tests each
     python benchmarks/bench_ranks.py --ranks 4 --tests 50
+    python benchmarks/bench_ranks.py --mixed       # world sizes 2 and 3, interleaved and grouped
 
 Generates, in a temporary directory, ``--tests`` empty tests marked
 ``@pytest.mark.gradref_ranks(N)`` that take ``gradref_rank``, and as many plain tests that take
@@ -10,6 +11,10 @@ Generates, in a temporary directory, ``--tests`` empty tests marked
 time is its setup + call + teardown there. Printed: the first multi-rank test (it starts the
 rank pool: spawning, importing torch, joining the process group), the median, least and
 greatest of the others (a warm pool), and the plain tests' median.
+
+``--mixed``: ``--tests`` tests of 2 ranks and as many of 3, run once in file order interleaved
+(2, 3, 2, 3, ...) and once grouped (all of 2, then all of 3), two pytest runs of one
+invocation; printed: each order's wall time and summed test time, and interleaved / grouped.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -42,11 +48,66 @@ def test_plain(i, gradref_device):
 """
 
 
+MIXED = """
+import pytest
+
+{tests}
+"""
+
+MIXED_TEST = """
+@pytest.mark.gradref_ranks({ranks})
+def test_{index}_ranks_{ranks}(gradref_rank):
+    assert gradref_rank.world_size == {ranks}
+"""
+
+
+def _mixed_file(tests: int, interleaved: bool) -> str:
+    sizes = [2, 3] * tests if interleaved else [2] * tests + [3] * tests
+    cases = (MIXED_TEST.format(index=i, ranks=ranks) for i, ranks in enumerate(sizes))
+    return MIXED.format(tests="\n".join(cases))
+
+
+def _run(directory: Path, name: str, source: str) -> tuple[float, list[float]]:
+    """One pytest run of a generated file: its wall time and each test's time."""
+    (directory / name).write_text(source)
+    junit = directory / f"{name}.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider"]
+    command += ["--gradref-device=cpu", f"--junitxml={junit}", name]
+    start = time.perf_counter()
+    subprocess.run(command, cwd=directory, check=True)
+    wall = time.perf_counter() - start
+    return wall, [float(c.attrib["time"]) for c in ET.parse(junit).getroot().iter("testcase")]
+
+
+def mixed(tests: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        directory = Path(folder)
+        runs = {
+            order: _run(directory, f"test_{order}.py", _mixed_file(tests, order == "interleaved"))
+            for order in ("interleaved", "grouped")
+        }
+    print(f"# pytest-gradref rank pools, commit {git_commit(REPO)}")
+    print(f"{tests} tests of gradref_ranks(2) and {tests} of gradref_ranks(3), CPU (gloo):")
+    for order, (wall, times) in runs.items():
+        print(f"  {order}: wall {wall:.2f} s, test-seconds {sum(times):.2f} s")
+    (wall_i, times_i), (wall_g, times_g) = runs["interleaved"], runs["grouped"]
+    print(
+        f"interleaved / grouped: {wall_i / wall_g:.2f}x wall, "
+        f"{sum(times_i) / sum(times_g):.2f}x test-seconds"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, help="ranks per test (default 2)")
     parser.add_argument("--tests", type=int, default=30, help="tests of each kind (default 30)")
+    parser.add_argument(
+        "--mixed", action="store_true", help="world sizes 2 and 3, interleaved against grouped"
+    )
     args = parser.parse_args()
+    if args.mixed:
+        mixed(args.tests)
+        return
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder)
         (directory / "test_ranks_cost.py").write_text(

@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from pytest_gradref.state import GradrefState
 
 _KEYWORDS = ("timeout",)
+# Pools kept alive at once: each holds its ranks' processes (and, on a GPU, a context on each
+# of their devices); a suite rarely mixes more world sizes than this.
+MAX_POOLS = 4
 # The fixtures each rank makes for itself (rank_worker.py); every other fixture's value comes
 # from the controller, pickled.
 PER_RANK_FIXTURES = ("gradref_rank", "gradref_device", "gradref_backend")
@@ -204,7 +207,9 @@ class RankHooks:
         self.config = config
         self.state = state
         self.timeout = _Timeout(settings.rank_timeout, settings.source(RANK_TIMEOUT_OPTION))
-        self._pool: RankPool | None = None
+        # One pool per kind of test (world size, devices), the most recently used last: tests
+        # of several world sizes, interleaved as parametrized suites order them, reuse theirs.
+        self._pools: dict[PoolSpec, RankPool] = {}
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
@@ -248,7 +253,8 @@ class RankHooks:
         return True
 
     def pytest_sessionfinish(self) -> None:
-        self._close()
+        for spec in list(self._pools):
+            self._close(spec)
 
     def _devices(self, item: pytest.Item, world_size: int) -> tuple[str, ...] | str:
         setup = self.state.setup()
@@ -294,11 +300,12 @@ class RankHooks:
             simulate=setup.backend.device_type if setup.simulated else None,
         )
         task = self._task(item, timeout.seconds)
-        if self._pool is not None and self._pool.spec != spec:
-            self._close()
-        if self._pool is None:
-            self._pool = RankPool(spec, timeout.seconds)
-        pool = self._pool
+        pool = self._pools.pop(spec, None)
+        if pool is None:
+            while len(self._pools) >= MAX_POOLS:
+                self._close(next(iter(self._pools)))  # the least recently used
+            pool = RankPool(spec, timeout.seconds)
+        self._pools[spec] = pool
         try:
             results = pool.run(task)
         except BaseException:  # interrupted (Ctrl-C, pytest-timeout): its ranks may be mid-test
@@ -306,7 +313,7 @@ class RankHooks:
             raise
         finally:
             if not pool.reusable:
-                self._close()
+                self._close(spec)
         recording = item.stash.get(recording_key, None)
         if recording is not None:
             merge_recordings(recording, results)
@@ -336,8 +343,8 @@ class RankHooks:
             showlocals=bool(self.config.getoption("showlocals", False)),
         )
 
-    def _close(self) -> None:
-        pool, self._pool = self._pool, None
+    def _close(self, spec: PoolSpec) -> None:
+        pool = self._pools.pop(spec, None)
         if pool is not None:
             pool.close()
 

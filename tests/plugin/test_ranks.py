@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from pytest_gradref import ranks
 from pytest_gradref.backends import builtin_backend
 from pytest_gradref.markers import MarkerError
 from pytest_gradref.ranks import owned_devices, parse_ranks_mark, rank_devices
@@ -358,3 +359,51 @@ def test_two_multi_rank_tests_run_side_by_side_under_xdist(
     assert {record["total"] for record in records} == {3.0}
     assert {records[0]["worker"], records[2]["worker"]} == {"gw0", "gw1"}
     assert len({record["pid"] for record in records}) == 4  # four ranks, each a process
+
+
+@pytest.mark.parametrize("max_pools", [ranks.MAX_POOLS, 1])
+def test_interleaved_world_sizes_keep_their_pools(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, max_pools: int
+) -> None:
+    # 2, 3, 2, 3 ranks in turn, as a parametrized suite orders them: each world size's ranks
+    # are started once, not again whenever the world size changes; past the most pools kept,
+    # the least recently used is ended.
+    monkeypatch.setattr(ranks, "MAX_POOLS", max_pools)
+    pytester.makepyfile(
+        test_pools="""
+import os
+
+import pytest
+
+def _body(gradref_rank, tag):
+    with open(f"{tag}-{gradref_rank.world_size}-{gradref_rank.rank}-{os.getpid()}", "w"):
+        pass
+
+@pytest.mark.gradref_ranks(2)
+def test_a2(gradref_rank):
+    _body(gradref_rank, "a")
+
+@pytest.mark.gradref_ranks(3)
+def test_a3(gradref_rank):
+    _body(gradref_rank, "a")
+
+@pytest.mark.gradref_ranks(2)
+def test_b2(gradref_rank):
+    _body(gradref_rank, "b")
+
+@pytest.mark.gradref_ranks(3)
+def test_b3(gradref_rank):
+    _body(gradref_rank, "b")
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
+    result.assert_outcomes(passed=4)
+    ran = [path.name.split("-") for path in pytester.path.glob("[ab]-*")]
+    assert len(ran) == 10  # 2 + 3 ranks, twice
+    pids: dict[tuple[str, str], set[str]] = {}
+    for _, size, rank, pid in ran:
+        pids.setdefault((size, rank), set()).add(pid)
+    # Each rank of each world size ran both of its tests in one process, or with one pool
+    # kept, each test in a pool of its own.
+    processes = 1 if max_pools > 1 else 2
+    assert all(len(found) == processes for found in pids.values()), pids
