@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from _bench_util import git_commit
 
 from pytest_gradref import Reference, compute_reference
-from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 Tensor = torch.Tensor

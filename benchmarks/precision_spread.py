@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pytest_gradref.diff import (
+from pytest_gradref.config.thresholds import DEFAULT_THRESHOLD
+from pytest_gradref.report.diff import (
     DEFAULT_NOISE,
-    DEFAULT_THRESHOLD,
     Diff,
     ItemDiff,
     compare_reports,

@@ -3,6 +3,12 @@
 See the README for the fixtures, markers and options; this module re-exports the public API.
 The names load on first access, so that pytest loading the plugin (which imports this package
 first) does not pay for the reference and comparison modules.
+
+The face (this module, ``plugin``, ``hookspecs``, ``warning_types``, ``__main__``) sits over
+six wings, one subpackage per concern. Imports at load run one way between them, in this
+order: ``config``, ``devices``, ``verdict``, ``reference``, ``report``, ``ranks``; a wing
+imports only the wings before it (and ``warning_types``, a leaf), and no package module
+imports another in a circle (``tests/plugin/test_layout.py`` holds both).
 """
 
 from __future__ import annotations
@@ -11,16 +17,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pytest_gradref.auxiliary import UNCHECKED
-    from pytest_gradref.backends import Backend, BackendRegistry, builtin_backend
-    from pytest_gradref.computation import compute_reference
-    from pytest_gradref.fixture import GradReference
-    from pytest_gradref.ranks import RankContext
-    from pytest_gradref.recording import Disagreement
-    from pytest_gradref.reference import Reference
-    from pytest_gradref.sharding import RankGradReference, ShardedReference
-    from pytest_gradref.strategies import Strategy, StrategyChoice
-    from pytest_gradref.tolerances import DEFAULT_TOLERANCES, CheckPolicy, Tolerance
+    from pytest_gradref.config.strategies import Strategy, StrategyChoice
+    from pytest_gradref.config.tolerances import DEFAULT_TOLERANCES, CheckPolicy, Tolerance
+    from pytest_gradref.devices.backends import Backend, BackendRegistry, builtin_backend
+    from pytest_gradref.ranks.sharding import RankGradReference, ShardedReference
+    from pytest_gradref.ranks.worker import RankContext
+    from pytest_gradref.reference.auxiliary import UNCHECKED
+    from pytest_gradref.reference.computation import compute_reference
+    from pytest_gradref.reference.grad_reference import GradReference
+    from pytest_gradref.reference.recording import Disagreement
+    from pytest_gradref.reference.result import Reference
     from pytest_gradref.warning_types import (
         GoldenPrecisionWarning,
         GradrefWarning,
@@ -51,25 +57,25 @@ __all__ = [
 
 # Where each public name lives.
 _HOMES = {
-    "DEFAULT_TOLERANCES": "tolerances",
-    "UNCHECKED": "auxiliary",
-    "Backend": "backends",
-    "BackendRegistry": "backends",
-    "CheckPolicy": "tolerances",
-    "Disagreement": "recording",
+    "DEFAULT_TOLERANCES": "config.tolerances",
+    "UNCHECKED": "reference.auxiliary",
+    "Backend": "devices.backends",
+    "BackendRegistry": "devices.backends",
+    "CheckPolicy": "config.tolerances",
+    "Disagreement": "reference.recording",
     "GoldenPrecisionWarning": "warning_types",
-    "GradReference": "fixture",
+    "GradReference": "reference.grad_reference",
     "GradrefWarning": "warning_types",
-    "RankContext": "ranks",
-    "RankGradReference": "sharding",
-    "Reference": "reference",
-    "ShardedReference": "sharding",
-    "Strategy": "strategies",
-    "StrategyChoice": "strategies",
-    "Tolerance": "tolerances",
+    "RankContext": "ranks.worker",
+    "RankGradReference": "ranks.sharding",
+    "Reference": "reference.result",
+    "ShardedReference": "ranks.sharding",
+    "Strategy": "config.strategies",
+    "StrategyChoice": "config.strategies",
+    "Tolerance": "config.tolerances",
     "ZeroGradientWarning": "warning_types",
-    "builtin_backend": "backends",
-    "compute_reference": "computation",
+    "builtin_backend": "devices.backends",
+    "compute_reference": "reference.computation",
 }
 
 

@@ -11,17 +11,16 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from pytest_gradref.diff import (
+from pytest_gradref.config.number_settings import number_problem
+from pytest_gradref.config.thresholds import DEFAULT_THRESHOLD, MIN_THRESHOLD
+from pytest_gradref.report.diff import (
     DEFAULT_FLOOR,
     DEFAULT_NOISE,
-    DEFAULT_THRESHOLD,
-    MIN_THRESHOLD,
     UnusableInput,
     compare_reports,
     load_report,
 )
-from pytest_gradref.diff_output import FORMATS, PlotUnavailable, check_plotting, plot, render
-from pytest_gradref.numbers import number_problem
+from pytest_gradref.report.diff_output import FORMATS, PlotUnavailable, check_plotting, plot, render
 
 EXIT_OK = 0
 EXIT_REGRESSION = 1

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from pytest_gradref.backends import BackendRegistry
+    from pytest_gradref.devices.backends import BackendRegistry
 
 
 @pytest.hookspec

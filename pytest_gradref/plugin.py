@@ -20,17 +20,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_gradref import hookspecs
-from pytest_gradref.backends import BackendRegistry, builtin_backends
-from pytest_gradref.device_coverage import USE_ATTRIBUTE, DeviceCoverage, device_use
-from pytest_gradref.header import header_once
-from pytest_gradref.launcher import (
-    LauncherHooks,
-    launched_context_key,
-    launched_rank,
-    launched_settings,
-    refuse_reordering,
-)
-from pytest_gradref.markers import (
+from pytest_gradref.config.header import header_once
+from pytest_gradref.config.markers import (
     ALL_MARKERS,
     DEVICE_MARKERS,
     MARKER_LINES,
@@ -38,14 +29,7 @@ from pytest_gradref.markers import (
     device_mark,
     parse_gradref_mark,
 )
-from pytest_gradref.ranks import RankHooks, rank_fixture
-from pytest_gradref.report import (
-    RECORD_ATTRIBUTE,
-    ReportCollector,
-    check_report_path,
-    record_for_test,
-)
-from pytest_gradref.settings import (
+from pytest_gradref.config.settings import (
     BASELINE_REFRESH_HELP,
     BASELINE_REFRESH_INI,
     OPTIONS,
@@ -54,7 +38,7 @@ from pytest_gradref.settings import (
     read_simulation,
     seed_for_test,
 )
-from pytest_gradref.state import (
+from pytest_gradref.config.state import (
     GradrefState,
     gradref_state,
     is_xdist_worker,
@@ -63,16 +47,32 @@ from pytest_gradref.state import (
     state_key,
     threads_key,
 )
-from pytest_gradref.threads import OMP_ENV, apply_threads, plan_threads, usable_cores
-from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
-from pytest_gradref.xdist import XdistHooks, worker_device_request
+from pytest_gradref.config.threads import OMP_ENV, apply_threads, plan_threads, usable_cores
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.devices.backends import BackendRegistry, builtin_backends
+from pytest_gradref.devices.xdist import XdistHooks, worker_device_request
+from pytest_gradref.ranks.launcher import (
+    LauncherHooks,
+    launched_context_key,
+    launched_rank,
+    launched_settings,
+    refuse_reordering,
+)
+from pytest_gradref.ranks.pytest_side import RankHooks, rank_fixture
+from pytest_gradref.report.device_coverage import USE_ATTRIBUTE, DeviceCoverage, device_use
+from pytest_gradref.report.writer import (
+    RECORD_ATTRIBUTE,
+    ReportCollector,
+    check_report_path,
+    record_for_test,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from pytest_gradref.backends import Backend
-    from pytest_gradref.fixture import GradReference
-    from pytest_gradref.ranks import RankContext
+    from pytest_gradref.devices.backends import Backend
+    from pytest_gradref.ranks.worker import RankContext
+    from pytest_gradref.reference.grad_reference import GradReference
 
 FIXTURE_NAMES = ("grad_reference", "gradref_device", "gradref_backend", "gradref_rank")
 
@@ -125,7 +125,7 @@ def _install_simulation(
         return
     torch_imported = "torch" in sys.modules  # before the simulation imports it
     # The torch layer: simulated.py imports torch, which only a simulated run may pay for here.
-    from pytest_gradref import simulated
+    from pytest_gradref.devices import simulated
 
     if simulated.installed():
         return
@@ -182,7 +182,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(collector, "gradref-report")
     if settings.baseline and not is_xdist_worker(config):
         # On-demand: the gate and its output load only in a run gated on a baseline.
-        from pytest_gradref.baseline import BaselineGate
+        from pytest_gradref.report.baseline import BaselineGate
 
         gate = BaselineGate.from_settings(settings, collector)
         config.pluginmanager.register(gate, "gradref-baseline")
@@ -191,12 +191,12 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(XdistHooks(state), "gradref-xdist")
     if is_xdist_worker(config) and xdist:
         # A worker knows its device before any test runs and makes it the current one.
-        setup = state.setup()
-        setup.backend.activate(setup.device)
+        resolution = state.resolution()
+        resolution.backend.activate(resolution.device)
     elif device_request.backend is not None or "torch" in sys.modules or _distributing(config):
         # An explicit request is checked before any test runs, and an xdist controller needs
         # the device to hand out; otherwise auto waits until a test needs it.
-        state.setup()
+        state.resolution()
 
 
 def _distributing(config: pytest.Config) -> bool:
@@ -221,14 +221,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     users = [item for item in items if _uses_gradref(item)]
     if not users:
         return
-    setup = state.setup()
+    resolution = state.resolution()
     known = state.registry.names()
     for item in users:
         try:
             parse_gradref_mark(item.get_closest_marker("gradref"))
             for name in DEVICE_MARKERS:
                 for mark in item.iter_markers(name):
-                    converted = device_mark(mark, known, setup.backend.name)
+                    converted = device_mark(mark, known, resolution.backend.name)
                     if converted is not None:
                         item.add_marker(converted)
         except MarkerError as error:
@@ -280,13 +280,13 @@ def pytest_runtest_makereport(
 @pytest.fixture(scope="session")
 def gradref_backend(pytestconfig: pytest.Config) -> Backend:
     """The active backend policy."""
-    return gradref_state(pytestconfig).setup().backend
+    return gradref_state(pytestconfig).resolution().backend
 
 
 @pytest.fixture(scope="session")
 def gradref_device(pytestconfig: pytest.Config) -> torch.device:
     """The torch.device the tests place their tensors on."""
-    return gradref_state(pytestconfig).setup().device
+    return gradref_state(pytestconfig).resolution().device
 
 
 @pytest.fixture
@@ -307,23 +307,23 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     # The torch layer: torch, the reference and the comparison code, once a test asks for them.
     import torch
 
-    from pytest_gradref.fixture import GradReference
-    from pytest_gradref.recording import Recording
+    from pytest_gradref.reference.grad_reference import GradReference
+    from pytest_gradref.reference.recording import Recording
 
     state = gradref_state(request.config)
-    setup = state.setup()
+    resolution = state.resolution()
     overrides = parse_gradref_mark(request.node.get_closest_marker("gradref"))
     compared = state.settings.report is not None or state.settings.baseline is not None
     # A fresh record per run of the test: pytest-rerunfailures runs it again on the same item.
     recording = request.node.stash[recording_key] = Recording(
         # What gradref seeded, to tell whether the test reseeded torch after it.
         seed=request.node.stash.get(seed_key, None),
-        device_type=setup.backend.device_type,
+        device_type=resolution.backend.device_type,
         # Fingerprints only where a report or a baseline compares runs by them.
         fingerprint=compared,
     )
-    strategy = overrides.strategy or setup.effective_strategy()
-    if setup.effective_strategy() == "crosscheck" and strategy != "crosscheck":
+    strategy = overrides.strategy or resolution.effective_strategy()
+    if resolution.effective_strategy() == "crosscheck" and strategy != "crosscheck":
         recording.crosscheck_opt_out = f"@pytest.mark.gradref(strategy={strategy!r})"
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
@@ -332,8 +332,8 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     # --gradref-verdict=tolerance, compares with a tolerance and computes none unasked.
     golden_verdict = state.settings.verdict == "golden" and overrides.tolerance is None
     policy = CheckPolicy(
-        backend=setup.backend.name,
-        table=setup.backend.tolerances,
+        backend=resolution.backend.name,
+        table=resolution.backend.tolerances,
         overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
         budget=overrides.budget,
         statistics=statistics,
@@ -349,10 +349,10 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     )
     reference = GradReference(
         strategy=strategy,
-        default_strategy=setup.backend.default_strategy,
+        default_strategy=resolution.backend.default_strategy,
         policy=policy,
         golden=overrides.golden,
-        golden_on_cpu=setup.backend.cpu_only_dtypes,
+        golden_on_cpu=resolution.backend.cpu_only_dtypes,
         rounded=overrides.rounded,
         default_golden=torch.float64 if golden_verdict else None,
         recording=recording,
@@ -361,6 +361,6 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     if launched is None:
         return reference
     # A rank of a test the launcher runs: each rank holds its shards, as a spawned rank does.
-    from pytest_gradref.sharding import RankGradReference
+    from pytest_gradref.ranks.sharding import RankGradReference
 
     return RankGradReference.for_rank(reference, launched.rank, launched.world_size)

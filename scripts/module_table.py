@@ -1,8 +1,10 @@
 """Writes the contributing page's table of modules: one line per module and its import layer.
 
-For each module of ``pytest_gradref`` and ``gradref_kernels``: the first sentence of its
-docstring (the concern it holds), whether importing it loads torch, and the package modules it
-imports at load. "At load" means the module's top-level imports (those under
+For each module of ``pytest_gradref`` and ``gradref_kernels``, subpackages included: the first
+sentence of its docstring (the concern it holds), whether importing it loads torch, and the
+package modules it imports at load. A package with subpackages (``pytest_gradref``: its face
+over six wings) gets a wing column, its face first and then the wings in the order they import
+one another (``WINGS``). "At load" means the module's top-level imports (those under
 ``if TYPE_CHECKING:`` excluded), followed through the package's own modules: a module loads
 torch when it, or a package module it imports at load, imports torch, triton or numpy at the
 top level. Blocks between ``<!-- module-table: PACKAGE -->`` and ``<!-- /module-table -->`` in
@@ -29,15 +31,39 @@ PACKAGES = {
     "gradref_kernels": ROOT / "kernels" / "gradref_kernels",
 }
 HEAVY = ("torch", "triton", "numpy")
+# The subpackages (wings) of a package, in the order they import one another at load
+# (tests/plugin/test_layout.py holds it: a wing imports only the wings before it).
+WINGS = {"pytest_gradref": ("config", "devices", "verdict", "reference", "report", "ranks")}
 
 
 def modules(package: str) -> dict[str, Path]:
-    """Every module of a package, by dotted name."""
+    """Every module of a package and its subpackages, by dotted name."""
     found = {}
-    for path in sorted(PACKAGES[package].glob("*.py")):
-        name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-        found[name] = path
+    for path in sorted(PACKAGES[package].rglob("*.py")):
+        parts = path.relative_to(PACKAGES[package]).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join((package, *parts))] = path
     return found
+
+
+def wing(package: str, name: str) -> str:
+    """The subpackage a module belongs to, or "" for the package's own modules."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and _is_package(package, name)) else ""
+
+
+def _is_package(package: str, name: str) -> bool:
+    return modules(package)[name].name == "__init__.py"
+
+
+def wing_order(package: str, layers: dict[str, tuple[bool, set[str]]]) -> list[str]:
+    """The package's own modules ("") first, then its wings in WINGS's order."""
+    order = ["", *WINGS.get(package, ())]
+    unknown = sorted({wing(package, name) for name in layers} - set(order))
+    if unknown:
+        raise SystemExit(f"{package}: wings missing from WINGS: {', '.join(unknown)}")
+    return order
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -123,19 +149,25 @@ def render(package: str) -> str:
         raise SystemExit(f"unknown package {package!r}: {', '.join(PACKAGES)}")
     paths = modules(package)
     layers = loads_heavy(package)
-    lines = [
-        "| module | loads torch at import | package modules imported at load | concern |",
-        "| --- | --- | --- | --- |",
-    ]
-    for name, path in paths.items():
+    wings = wing_order(package, layers)
+    columns = ["module", "loads torch at import", "package modules imported at load", "concern"]
+    if len(wings) > 1:
+        columns.insert(0, "wing")
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for name, path in sorted(paths.items(), key=lambda item: wings.index(wing(package, item[0]))):
         heavy, internal = layers[name]
-        # Every module loads its package's __init__ first: listed for the package alone.
+        # Every module loads its packages' __init__ first: listed for the packages alone.
         shown = ", ".join(
-            f"`{other.rpartition('.')[2]}`" for other in sorted(internal) if other != package
+            f"`{other.partition('.')[2]}`"
+            for other in sorted(internal)
+            if not _is_package(package, other)
         )
         where = path.relative_to(ROOT).as_posix()
         text = concern(path).replace("|", "\\|")
-        lines.append(f"| `{where}` | {'yes' if heavy else 'no'} | {shown or '—'} | {text} |")
+        cells = [f"`{where}`", "yes" if heavy else "no", shown or "—", text]
+        if len(wings) > 1:
+            cells.insert(0, wing(package, name) or "face")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

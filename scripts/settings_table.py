@@ -2,7 +2,7 @@
 
 The plugin's ``pytest_addoption`` is called with a parser that records what it registers, so
 every option and ini key the plugin declares is listed, a new one included, with the help text
-``--help`` shows; ``pytest_gradref.settings.OPTIONS`` names the environment variable and the
+``--help`` shows; ``pytest_gradref.config.settings.OPTIONS`` names the environment variable and the
 ini key of each setting that reads them (``OptionSpec.env``, ``OptionSpec.ini``). Blocks
 between ``<!-- settings-table: FORMAT -->`` and ``<!-- /settings-table -->`` are written:
 
@@ -11,7 +11,7 @@ between ``<!-- settings-table: FORMAT -->`` and ``<!-- /settings-table -->`` are
 - ``toml`` (docs/first-test.md): a ``pyproject.toml`` block setting every ini key to its
   default, each with its type, default and help, after pytest's ``-rs``;
 - ``markers`` (README.md, docs/settings.md): every marker with its signature and help, from
-  the lines the plugin registers them with (``pytest_gradref.markers.MARKER_LINES``), which
+  the lines the plugin registers them with (``pytest_gradref.config.markers.MARKER_LINES``), which
   ``pytest --markers`` shows too.
 
     python scripts/settings_table.py            # rewrite the blocks
@@ -115,7 +115,8 @@ class RecordingParser:
 
 def declared_settings() -> list[Setting]:
     """Every option and ini key the plugin registers, paired through its OptionSpec."""
-    from pytest_gradref import plugin, settings
+    from pytest_gradref import plugin
+    from pytest_gradref.config import settings
 
     parser = RecordingParser()
     plugin.pytest_addoption(parser)  # type: ignore[arg-type]
@@ -192,7 +193,7 @@ def render(fmt: str) -> str:
         lines.append("```")
         return "\n".join(lines)
     if fmt == "markers":
-        from pytest_gradref.markers import MARKER_LINES
+        from pytest_gradref.config.markers import MARKER_LINES
 
         lines = ["| marker | effect |", "| --- | --- |"]
         for line in MARKER_LINES:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch._dynamo  # see the note below
 
-from pytest_gradref.settings import OPTIONS
+from pytest_gradref.config.settings import OPTIONS
 
 # In-process pytester runs drop every module a run imported once the run ends. The first
 # torch.func transform imports torch._dynamo, which imports Triton when it is installed and

@@ -1,5 +1,5 @@
 """The simulated npu's Ascend numerics (``--gradref-simulate-numerics=ascend``): HF32 where
-torch_npu documents it (pytest_gradref/ascend_numerics.py cites the pages).
+torch_npu documents it (pytest_gradref/devices/ascend_numerics.py cites the pages).
 
 The rounding itself is tested in this process; everything that installs the simulation runs
 in a subprocess, since the simulation is process-global.
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from pytest_gradref import simulated
-from pytest_gradref.ascend_numerics import round_to_hf32
+from pytest_gradref.devices import simulated
+from pytest_gradref.devices.ascend_numerics import round_to_hf32
 
 needs_simulation = pytest.mark.skipif(
     simulated.unsupported_reason() is not None, reason=str(simulated.unsupported_reason())
@@ -80,7 +80,7 @@ import torch
 import torch.nn.functional as F
 import torch_npu
 
-from pytest_gradref.ascend_numerics import round_to_hf32
+from pytest_gradref.devices.ascend_numerics import round_to_hf32
 
 NPU = "npu:0"
 

@@ -11,8 +11,8 @@ import torch
 from _pytester_sources import HOST_READS_FIXTURE
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_gradref.compare import BudgetItem, ToleranceItem, check_items
-from pytest_gradref.tolerances import ResolvedTolerance, Tolerance
+from pytest_gradref.config.tolerances import ResolvedTolerance, Tolerance
+from pytest_gradref.verdict.compare import BudgetItem, ToleranceItem, check_items
 
 FAILURES = """
 import pytest

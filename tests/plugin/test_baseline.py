@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gradref.settings import BASELINE_REGRESSION_EXIT
+from pytest_gradref.config.settings import BASELINE_REGRESSION_EXIT
 
 # A kernel whose gradient is off by a relative error the environment sets: the test passes at
 # 2.5e-8 and at 1e-7 (float64's default tolerance is rtol = atol = 1e-7), but its error, some

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from pytest_gradref.compare import BudgetItem, _check_alone, check_items
+from pytest_gradref.verdict.compare import BudgetItem, _check_alone, check_items
 
 INF, NAN = math.inf, math.nan
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from pytest_gradref import simulated
+from pytest_gradref.devices import simulated
 
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu")
 # Skipped, with the reason, where torch is too old for the simulation (CI's lower bounds).

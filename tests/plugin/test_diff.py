@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from pytest_gradref import diff as diff_module
 from pytest_gradref.__main__ import main
-from pytest_gradref.diff import FORMAT_VERSION
-from pytest_gradref.diff_output import render_markdown, render_text
+from pytest_gradref.report import diff as diff_module
+from pytest_gradref.report.diff import FORMAT_VERSION
+from pytest_gradref.report.diff_output import render_markdown, render_text
 
 # A kernel whose gradient is off by a relative error that the environment sets. float64's
 # default tolerance is rtol = atol = 1e-7: at 2.5e-8 and at 1e-7 the test passes, and its error,

@@ -63,7 +63,7 @@ def test_every_registered_option_and_ini_key_is_in_the_tables(settings_table: Mo
 
 
 def test_every_registered_marker_is_in_the_marker_table(settings_table: ModuleType) -> None:
-    from pytest_gradref.markers import MARKER_LINES
+    from pytest_gradref.config.markers import MARKER_LINES
 
     table = settings_table.render("markers")
     for line in MARKER_LINES:

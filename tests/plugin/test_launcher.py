@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gradref.launcher import LaunchedRank, first_difference, launched_rank
+from pytest_gradref.ranks.launcher import LaunchedRank, first_difference, launched_rank
 
 LAUNCHED = {
     "RANK": "1",

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from pytest_gradref.markers import _KEYWORDS, MARKER_LINES
-from pytest_gradref.reference import Reference
+from pytest_gradref.config.markers import _KEYWORDS, MARKER_LINES
+from pytest_gradref.reference.result import Reference
 
 # A float32 loss whose aux holds log-probabilities; the kernel's are off by a relative 1e-3,
 # far beyond the default verdict's budget, within rtol=1e-2.

@@ -1,6 +1,6 @@
-"""Every number setting goes through one check (``pytest_gradref.numbers``): a bool is not a
-number anywhere, and the baseline gate's threshold and the diff's ``--threshold`` take exactly
-the same values."""
+"""Every number setting goes through one check (``pytest_gradref.config.number_settings``): a
+bool is not a number anywhere, and the baseline gate's threshold and the diff's ``--threshold``
+take exactly the same values."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from pytest_gradref import Reference, Tolerance
 from pytest_gradref.__main__ import main
-from pytest_gradref.markers import MarkerError, parse_gradref_mark
+from pytest_gradref.config.markers import MarkerError, parse_gradref_mark
 
 
 def _assert_close(**kwargs: Any) -> Callable[[Reference], object]:
@@ -85,7 +85,7 @@ def test_a_bool_is_not_a_number(
     assert str(raised.value) == message
 
 
-# Both thresholds are numbers >= diff.MIN_THRESHOLD, 1: a ratio of growth.
+# Both thresholds are numbers >= thresholds.MIN_THRESHOLD, 1: a ratio of growth.
 THRESHOLDS = {"1": True, "1.5": True, "inf": True, "0.5": False, "0": False, "-1": False}
 THRESHOLDS |= {"nan": False, "true": False, "": False}
 

@@ -314,7 +314,7 @@ def test_every_setting_is_read_once_into_one_object_with_its_source(
 ) -> None:
     # Configure reads and validates every gradref setting into the session's Settings; the
     # hooks, the fixtures and the plugin objects read it from there.
-    from pytest_gradref.settings import (
+    from pytest_gradref.config.settings import (
         BASELINE_OPTION,
         OPTIONS,
         RANK_TIMEOUT_OPTION,
@@ -322,7 +322,7 @@ def test_every_setting_is_read_once_into_one_object_with_its_source(
         STRATEGY_OPTION,
         VERDICT_OPTION,
     )
-    from pytest_gradref.state import state_key
+    from pytest_gradref.config.state import state_key
 
     pytester.makeini(
         "[pytest]\ngradref_verdict = tolerance\ngradref_baseline_refresh = make baseline\n"

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from test_verdict import failure
 
 from pytest_gradref import Reference, compute_reference
-from pytest_gradref.strategies import Strategy
-from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.config.strategies import Strategy
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy
 
 
 def reference(fn: Any, *args: Any, strategy: Strategy = "autograd", **kwargs: Any) -> Reference:

@@ -45,26 +45,32 @@ CONFIGURE_LAYER = {
     f"pytest_gradref{suffix}"
     for suffix in (
         "",
-        ".backends",
-        ".device_coverage",
-        ".diff",
-        ".header",
-        ".launcher",
+        ".config",
+        ".config.header",
+        ".config.markers",
+        ".config.number_settings",
+        ".config.resolution",
+        ".config.settings",
+        ".config.state",
+        ".config.strategies",
+        ".config.threads",
+        ".config.thresholds",
+        ".config.tolerances",
+        ".devices",
+        ".devices.backends",
+        ".devices.xdist",
         ".hookspecs",
-        ".inputs",
-        ".markers",
-        ".numbers",
         ".plugin",
         ".ranks",
+        ".ranks.launcher",
+        ".ranks.pytest_side",
+        ".reference",
+        ".reference.inputs",
         ".report",
-        ".resolution",
-        ".settings",
-        ".state",
-        ".strategies",
-        ".threads",
-        ".tolerances",
+        ".report.device_coverage",
+        ".report.diff",
+        ".report.writer",
         ".warning_types",
-        ".xdist",
     )
 }
 
@@ -72,7 +78,7 @@ CONFIGURE_LAYER = {
 # the comparison output it prints) in a gated run, the rank processes in a multi-rank test.
 ON_DEMAND = {
     f"pytest_gradref.{name}"
-    for name in ("baseline", "diff_output", "rank_processes", "rank_worker")
+    for name in ("report.baseline", "report.diff_output", "ranks.processes", "ranks.worker")
 }
 
 
@@ -99,29 +105,37 @@ def _function_level_imports(path: Path) -> Iterator[tuple[str, int]]:
                 yield from ((alias.name, inner.lineno) for alias in inner.names)
             elif isinstance(inner, ast.ImportFrom) and inner.module:
                 yield inner.module, inner.lineno
-                for alias in inner.names:  # from pytest_gradref import simulated
+                for alias in inner.names:  # from pytest_gradref.devices import simulated
                     yield f"{inner.module}.{alias.name}", inner.lineno
+
+
+def _source(name: str) -> Path:
+    """The file of a package module (a wing's ``__init__.py`` for the wing)."""
+    path = Path(pytest_gradref.__file__).parent.joinpath(*name.split(".")[1:])
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
 
 
 def test_the_configure_layer_imports_itself_at_the_top() -> None:
     # Only a crossing into the torch layer waits inside a function: a module of the
     # configure-time layer that another imports lazily is an import cost hidden, not saved.
     # The on-demand modules are imported inside the function that starts their feature.
-    package = Path(pytest_gradref.__file__).parent
+    # The packages (the root, the wings) are left out: ``from pytest_gradref.devices import
+    # simulated`` names the wing, but imports the module.
+    modules = {name for name in CONFIGURE_LAYER if _source(name).name != "__init__.py"}
     lazy = [
         f"{name}:{line} imports {target} inside a function"
-        for name in sorted(CONFIGURE_LAYER - {"pytest_gradref"})
-        for target, line in _function_level_imports(package / f"{name.split('.')[1]}.py")
-        if target in CONFIGURE_LAYER - {"pytest_gradref"}
+        for name in sorted(modules)
+        for target, line in _function_level_imports(_source(name))
+        if target in modules
     ]
     assert not lazy
 
 
 def test_the_tolerance_tables_load_without_torch() -> None:
     # The markers parse a test's tolerances at collection, and a conftest builds a backend's
-    # table from pytest_gradref.Tolerance before any test runs: tolerances.py loads no torch
-    # (dtypes.py, the precision of dtypes, and the comparison do).
-    code = "import sys, pytest_gradref.tolerances; print('torch' in sys.modules)"
+    # table from pytest_gradref.Tolerance before any test runs: config/tolerances.py loads no
+    # torch (verdict/dtypes.py, the precision of dtypes, and the comparison do).
+    code = "import sys, pytest_gradref.config.tolerances; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 
@@ -129,7 +143,7 @@ def test_the_tolerance_tables_load_without_torch() -> None:
 def test_public_names_load_on_first_access() -> None:
     from pytest_gradref import Reference, Tolerance
 
-    assert Reference.__module__ == "pytest_gradref.reference"
+    assert Reference.__module__ == "pytest_gradref.reference.result"
     assert Tolerance(rtol=0.0, atol=0.0).rtol == 0.0
     assert set(pytest_gradref.__all__) <= set(dir(pytest_gradref))
     for name in pytest_gradref.__all__:
@@ -153,7 +167,14 @@ def test_plugin_loads_without_importing_torch(
     loaded = json.loads((pytester.path / "loaded.json").read_text())
     assert "torch" not in loaded
     # A session without gradient tests never loads the reference and comparison code.
-    for module in ("fixture", "computation", "reference", "recording", "compare", "dtypes"):
+    for module in (
+        "reference.grad_reference",
+        "reference.computation",
+        "reference.result",
+        "reference.recording",
+        "verdict.compare",
+        "verdict.dtypes",
+    ):
         assert f"pytest_gradref.{module}" not in loaded, module
 
 

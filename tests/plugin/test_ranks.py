@@ -11,18 +11,18 @@ import json
 import pytest
 import torch
 
-from pytest_gradref import ranks
-from pytest_gradref.backends import builtin_backend
-from pytest_gradref.markers import MarkerError
-from pytest_gradref.ranks import owned_devices, parse_ranks_mark, rank_devices
-from pytest_gradref.resolution import Setup
-from pytest_gradref.settings import Setting, parse_rank_timeout
+from pytest_gradref.config.markers import MarkerError
+from pytest_gradref.config.resolution import Resolution
+from pytest_gradref.config.settings import Setting, parse_rank_timeout
+from pytest_gradref.devices.backends import builtin_backend
+from pytest_gradref.ranks import pytest_side
+from pytest_gradref.ranks.pytest_side import owned_devices, parse_ranks_mark, rank_devices
 
 # --- where ranks run ----------------------------------------------------------------------------
 
 
-def _setup(name: str, device: str, simulated: bool = False) -> Setup:
-    return Setup(
+def _resolution(name: str, device: str, simulated: bool = False) -> Resolution:
+    return Resolution(
         backend=builtin_backend(name),
         device=torch.device(device),
         index=None,
@@ -51,16 +51,16 @@ def test_xdist_workers_split_the_devices_around_their_own() -> None:
 
 
 def test_each_rank_takes_a_device_of_its_own() -> None:
-    assert rank_devices(_setup("cuda", "cuda:0"), 2, [1, 3], "w") == ("cuda:1", "cuda:3")
+    assert rank_devices(_resolution("cuda", "cuda:0"), 2, [1, 3], "w") == ("cuda:1", "cuda:3")
 
 
 def test_too_few_devices_is_a_skip_that_names_the_counts() -> None:
-    reason = rank_devices(_setup("cuda", "cuda:1"), 4, [1, 3], "xdist worker gw1 (of 2)")
+    reason = rank_devices(_resolution("cuda", "cuda:1"), 4, [1, 3], "xdist worker gw1 (of 2)")
     assert reason == (
         "gradref_ranks(4) needs 4 cuda devices, one per rank; xdist worker gw1 (of 2) has 2 "
         "(cuda:1, cuda:3); run fewer xdist workers"
     )
-    alone = rank_devices(_setup("cuda", "cuda:0"), 2, [0], "this process")
+    alone = rank_devices(_resolution("cuda", "cuda:0"), 2, [0], "this process")
     assert alone == (
         "gradref_ranks(2) needs 2 cuda devices, one per rank; this process has 1 (cuda:0); "
         "make more visible (CUDA_VISIBLE_DEVICES)"
@@ -68,10 +68,10 @@ def test_too_few_devices_is_a_skip_that_names_the_counts() -> None:
 
 
 def test_cpu_and_simulated_ranks_share_the_devices() -> None:
-    assert rank_devices(_setup("cpu", "cpu"), 4, [0], "this process") == ("cpu",) * 4
+    assert rank_devices(_resolution("cpu", "cpu"), 4, [0], "this process") == ("cpu",) * 4
     # The npu device type exists only once the simulation is installed: the cuda policy
     # stands in for a simulated device here.
-    simulated = rank_devices(_setup("cuda", "cuda:0", simulated=True), 4, [0, 1], "w")
+    simulated = rank_devices(_resolution("cuda", "cuda:0", simulated=True), 4, [0, 1], "w")
     assert simulated == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")
 
 
@@ -361,14 +361,14 @@ def test_two_multi_rank_tests_run_side_by_side_under_xdist(
     assert len({record["pid"] for record in records}) == 4  # four ranks, each a process
 
 
-@pytest.mark.parametrize("max_pools", [ranks.MAX_POOLS, 1])
+@pytest.mark.parametrize("max_pools", [pytest_side.MAX_POOLS, 1])
 def test_interleaved_world_sizes_keep_their_pools(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, max_pools: int
 ) -> None:
     # 2, 3, 2, 3 ranks in turn, as a parametrized suite orders them: each world size's ranks
     # are started once, not again whenever the world size changes; past the most pools kept,
     # the least recently used is ended.
-    monkeypatch.setattr(ranks, "MAX_POOLS", max_pools)
+    monkeypatch.setattr(pytest_side, "MAX_POOLS", max_pools)
     pytester.makepyfile(
         test_pools="""
 import os

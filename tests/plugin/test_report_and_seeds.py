@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_gradref.diff import FORMAT_VERSION
+from pytest_gradref.report.diff import FORMAT_VERSION
 
 CASES = """
 import pytest
@@ -172,7 +172,10 @@ def test_an_interrupted_report_write_leaves_the_previous_report(pytester: pytest
     assert result.ret != pytest.ExitCode.OK
     # The report's own write was interrupted (not another plugin's, before it).
     result.stderr.fnmatch_lines(
-        ["*pytest_gradref?report.py*in pytest_sessionfinish", "UnicodeEncodeError: *surrogates*"]
+        [
+            "*pytest_gradref?report?writer.py*in pytest_sessionfinish",
+            "UnicodeEncodeError: *surrogates*",
+        ]
     )
     # Written beside the report and renamed over it: never a truncated report, nor a leftover.
     assert json.dumps(json.loads((pytester.path / "report.json").read_text())) == previous

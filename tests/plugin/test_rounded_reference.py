@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from pytest_gradref.compare import BudgetItem, check_items
+from pytest_gradref.verdict.compare import BudgetItem, check_items
 
 STRATEGIES = ["autograd", "grad_and_value"]
 

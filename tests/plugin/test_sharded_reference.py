@@ -11,10 +11,10 @@ import json
 import pytest
 import torch
 
-from pytest_gradref.fixture import GradReference
-from pytest_gradref.recording import Recording
-from pytest_gradref.sharding import Cut, RankGradReference
-from pytest_gradref.tolerances import CheckPolicy
+from pytest_gradref.config.tolerances import CheckPolicy
+from pytest_gradref.ranks.sharding import Cut, RankGradReference
+from pytest_gradref.reference.grad_reference import GradReference
+from pytest_gradref.reference.recording import Recording
 
 
 def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gradref import simulated
+from pytest_gradref.devices import simulated
 
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-rxs")
 
@@ -417,7 +417,7 @@ import pytest
 import torch
 import torch_npu
 import transformers
-from pytest_gradref.simulated import SimulatedDeviceError
+from pytest_gradref.devices.simulated import SimulatedDeviceError
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import is_torch_npu_available
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_gradref import simulated
+from pytest_gradref.devices import simulated
 
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-p", "no:randomly")
 # Skipped, with the reason, where torch is too old for the simulation (CI's lower bounds).
@@ -312,7 +312,7 @@ import io
 
 import pytest
 import torch
-from pytest_gradref.simulated import SimulatedDeviceError
+from pytest_gradref.devices.simulated import SimulatedDeviceError
 
 NPU, NPU1 = torch.device("npu", 0), torch.device("npu", 1)
 

@@ -1,7 +1,7 @@
 """A suite that seeds its own tests: gradref notices a test that reseeds torch after it and
 records it, its own seeding turns off in one ini line, and two reports (or a run and its
 baseline) compare when their tests saw the same inputs, judged by a fingerprint of each
-reference's inputs (pytest_gradref/inputs.py), whatever the seeds."""
+reference's inputs (pytest_gradref/reference/inputs.py), whatever the seeds."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gradref import diff as diff_module
-from pytest_gradref.diff import FORMAT_VERSION
-from pytest_gradref.inputs import SAMPLE, fingerprints, sample_inputs
-from pytest_gradref.settings import BASELINE_REGRESSION_EXIT, seed_for_test
+from pytest_gradref.config.settings import BASELINE_REGRESSION_EXIT, seed_for_test
+from pytest_gradref.reference.inputs import SAMPLE, fingerprints, sample_inputs
+from pytest_gradref.report import diff as diff_module
+from pytest_gradref.report.diff import FORMAT_VERSION
 
 # Two tests that draw their inputs from torch's global generator.
 KERNELS = """

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gradref.threads import SPLIT_CHOICE, TORCH_CHOICE, plan_threads
+from pytest_gradref.config.threads import SPLIT_CHOICE, TORCH_CHOICE, plan_threads
 
 # A test that reports the thread count of its process and of a process it starts.
 THREAD_PROBE = """

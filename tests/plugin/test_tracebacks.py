@@ -104,4 +104,4 @@ def test_full_trace_still_shows_the_plugin(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("import pytest\n" + TESTS)
     result = pytester.runpytest("--gradref-device=cpu", "--full-trace", "-k", "test_mismatch")
     result.assert_outcomes(failed=1)
-    assert "pytest_gradref/reference.py" in result.stdout.str()
+    assert "pytest_gradref/reference/result.py" in result.stdout.str()

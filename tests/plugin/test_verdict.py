@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pytest_gradref import Reference, compute_reference
-from pytest_gradref.compare import BudgetItem, check_items
-from pytest_gradref.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy
+from pytest_gradref.verdict.compare import BudgetItem, check_items
 
 VERDICTS = ("golden", "tolerance")
 F32_EPS = torch.finfo(torch.float32).eps

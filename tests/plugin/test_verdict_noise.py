@@ -24,8 +24,8 @@ import torch
 from test_verdict import failure, reference
 
 from pytest_gradref import GoldenPrecisionWarning
-from pytest_gradref.compare import spread_factor
-from pytest_gradref.spread import RUNS
+from pytest_gradref.reference.spread import RUNS
+from pytest_gradref.verdict.compare import spread_factor
 
 # --- no red from summation order ------------------------------------------------------------
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pytest_gradref.xdist import assign_devices, physical_ids
+from pytest_gradref.devices.xdist import assign_devices, physical_ids
 
 
 def test_round_robin_over_visible_devices() -> None:
@@ -70,7 +70,7 @@ import os
 
 import pytest
 
-from pytest_gradref.state import state_key
+from pytest_gradref.config.state import state_key
 
 
 @pytest.mark.parametrize("i", range(8))
@@ -141,7 +141,7 @@ def test_without_xdist_nothing_changes(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(MULTI_CONFTEST)
     pytester.makepyfile(
         """
-from pytest_gradref.state import state_key
+from pytest_gradref.config.state import state_key
 
 def test_serial(gradref_device, pytestconfig):
     assert pytestconfig.stash[state_key].resolved.label == "multi:0 on cpu"

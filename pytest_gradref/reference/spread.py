@@ -1,0 +1,346 @@
+"""The rounding spread: how far correct computations of the reference stray from the golden,
+estimated from a few randomly rounded runs of the reference.
+
+One draw of the reference's rounding error is no bound on another's: a kernel that sums in
+another order draws its own, and the ratio of the two is unbounded where the item cancels (a
+sum of large terms near zero, a gradient entry that cancels over many rows) or where rounding
+errors move together (the logits' rounding, spread over a whole weight gradient). So where an
+item fails its budget, the verdict asks how large a correct computation's error of that item
+is. It runs the reference ``RUNS`` times under ``RandomRounding``: Monte Carlo arithmetic at
+the reference's own precisions. Every operation's floating result is rounded once more,
+stochastically (up or down, with the probability of its distance to each), in its own dtype,
+so each run rounds where the reference rounds, in the dtypes it rounds in (bf16 where it
+computes in bf16, float32 where it upcasts), by a fresh draw. An operation that sums terms
+(``sum``, ``mean``, the matrix products, ``cumsum``, convolutions, ``nll_loss``) also gets the
+error of one rounding in its accumulation dtype (float32 for half precision, as torch
+accumulates) at the size of its terms, their magnitudes summed (for a matrix product bounded
+by the norms of the row and the column: no second product): the first-order term of a sum's
+error bound, which another order or blocking of the sum may reach. Operations that
+only create, copy or select values are exact and left alone. Each run's error against the
+golden is a draw of a correct computation's error, of the item as of every other; their
+spread is what the verdict (compare.py) lets an item's error reach.
+
+The runs are seeded (run 0, 1, ...), so a verdict is reproducible and the test's own random
+state is untouched; they run only where an item fails without them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from pytest_gradref.reference.differentiation import Problem, Result
+from pytest_gradref.reference.rounding import ResultMode
+
+# How many randomly rounded runs estimate the spread: with 16, an allowance of 10 coefficients of
+# variation (compare.spread_factor) lets a correct scalar through at a rate under 1e-5.
+RUNS = 16
+
+_aten = torch.ops.aten
+# The operations whose result sums terms, with the operation that sums their magnitudes:
+# the same operation on the absolute values of its inputs, except nll_loss, whose terms are
+# the negated log-probabilities it picks.
+_SUMS = frozenset(
+    {
+        _aten.sum,
+        _aten.mean,
+        _aten.mm,
+        _aten.bmm,
+        _aten.mv,
+        _aten.dot,
+        _aten.addmm,
+        _aten.addmv,
+        _aten.baddbmm,
+        _aten.addbmm,
+        _aten.cumsum,
+        _aten.convolution,
+    }
+)
+# The operations whose result is exact, since it creates a constant or copies, selects or
+# moves values without arithmetic: a correct computation rounds none of them (the seed of a
+# backward pass, ones_like, rounded at random would scale every gradient by the same factor).
+# (A cast that rounds is no such copy: it is rounded as every other result.)
+_EXACT = frozenset(
+    getattr(_aten, name)
+    for name in (
+        "_unsafe_view",
+        "abs",
+        "amax",
+        "amin",
+        "cat",
+        "clamp",
+        "clamp_max",
+        "clamp_min",
+        "clone",
+        "constant_pad_nd",
+        "copy",
+        "copy_",
+        "embedding",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "fill",
+        "fill_",
+        "flip",
+        "full",
+        "full_like",
+        "gather",
+        "index",
+        "index_put",
+        "index_put_",
+        "index_select",
+        "lift_fresh",
+        "lift_fresh_copy",
+        "masked_fill",
+        "masked_fill_",
+        "max",
+        "maximum",
+        "min",
+        "minimum",
+        "neg",
+        "new_empty",
+        "new_empty_strided",
+        "new_full",
+        "new_ones",
+        "new_zeros",
+        "ones",
+        "ones_like",
+        "relu",
+        "repeat",
+        "roll",
+        "scalar_tensor",
+        "scatter",
+        "select_backward",
+        "slice_backward",
+        "sort",
+        "stack",
+        "threshold_backward",
+        "topk",
+        "tril",
+        "triu",
+        "where",
+        "zero_",
+        "zeros",
+        "zeros_like",
+    )
+    if hasattr(_aten, name)
+)
+
+
+def _magnitude(value: Any) -> Any:
+    """An operation's argument for the sum of its terms' magnitudes: floating tensors and
+    factors (addmm's alpha and beta) as their absolute values; integers (dimensions) as
+    they are."""
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        return value.abs()
+    if isinstance(value, float):
+        return abs(value)
+    return value
+
+
+def _writes(func: Any) -> bool:
+    """Whether the operation writes an argument in place (whose input is gone after it)."""
+    return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+
+
+def _digits(dtype: torch.dtype) -> int:
+    """The significand's bits, the implicit one included (bf16 8, fp16 11, float32 24)."""
+    return round(-math.log2(torch.finfo(dtype).eps)) + 1
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where torch accumulates a sum of ``dtype``: float32 for half precision."""
+    return torch.float32 if torch.finfo(dtype).eps > torch.finfo(torch.float32).eps else dtype
+
+
+def _row_norms(matrix: torch.Tensor, dim: int) -> torch.Tensor:
+    norms: torch.Tensor = torch.linalg.vector_norm(matrix.detach().float(), dim=dim)
+    return norms
+
+
+def _product_terms(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """For a matrix product, a bound of the sum of its terms' magnitudes at each output:
+    the norms of the row and the column it multiplies (Cauchy-Schwarz), an outer product of
+    two vectors instead of a second product; plus the added input's magnitude (addmm's
+    ``beta * input``). None for an operation that is no matrix product."""
+    beta = abs(kwargs.get("beta", 1))
+    alpha = abs(kwargs.get("alpha", 1))
+    if packet is _aten.mm:
+        a, b = args[:2]
+        return _row_norms(a, 1)[:, None] * _row_norms(b, 0)[None, :]
+    if packet is _aten.bmm:
+        a, b = args[:2]
+        return _row_norms(a, 2)[..., None] * _row_norms(b, 1)[:, None, :]
+    if packet is _aten.mv:
+        a, v = args[:2]
+        return _row_norms(a, 1) * _row_norms(v, 0)
+    if packet is _aten.dot:
+        a, b = args[:2]
+        return _row_norms(a, 0) * _row_norms(b, 0)
+    if packet in (_aten.addmm, _aten.baddbmm, _aten.addmv, _aten.addbmm):
+        added, a, b = args[:3]
+        if packet is _aten.addmm:
+            products = _row_norms(a, 1)[:, None] * _row_norms(b, 0)[None, :]
+        elif packet is _aten.addmv:
+            products = _row_norms(a, 1) * _row_norms(b, 0)
+        else:
+            products = _row_norms(a, 2)[..., None] * _row_norms(b, 1)[:, None, :]
+            if packet is _aten.addbmm:
+                products = products.sum(0)
+        return beta * added.detach().float().abs() + alpha * products
+    return None
+
+
+def _in_float32(value: Any) -> Any:
+    """An operation's argument for its computation before rounding to half precision:
+    floating tensors and dtypes as float32 (where torch computes half precision anyway)."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.float32)
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return torch.float32
+    return value
+
+
+class RandomRounding(ResultMode):
+    """Rounds each floating result less precise than float64 at random in its dtype. A half
+    precision result is computed again in float32 and rounded stochastically (up or down,
+    with the probability of its distance to each); a float32 one, which a float64 computation
+    would cost too much to redo, gets the error of one more rounding (uniform within the unit
+    roundoff) before it is rounded to nearest again. An operation that sums terms also gets,
+    before the rounding, the error of one rounding in its accumulation dtype at its terms'
+    magnitudes. The noise is drawn from generators seeded with ``seed``. Either way a run's
+    error is a fresh draw, which is the reference's own rounding at most twice over in
+    variance: the verdict divides the runs' rms by sqrt(2) (compare.spread_factor). With
+    ``dtype`` (a rounded reference's compute dtype), each result is rounded to that dtype where
+    it is less precise than the result's own, as the rounded reference rounds it
+    (rounding.py), and kept in its own."""
+
+    def __init__(self, seed: int, dtype: torch.dtype | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seed = seed
+        self.dtype = dtype
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _uniform(self, like: torch.Tensor) -> torch.Tensor:
+        """Uniform noise in [-1, 1] shaped and placed as ``like``, from this run's generator
+        on its device, or drawn on the CPU and moved where the device has none."""
+        generator = self._generators.get(like.device)
+        if generator is None:
+            try:
+                generator = torch.Generator(device=like.device)
+            except RuntimeError:
+                generator = self._generators.get(torch.device("cpu")) or torch.Generator()
+            if generator.device not in self._generators:
+                generator.manual_seed(self.seed)
+                self._generators[generator.device] = generator
+            self._generators[like.device] = generator
+        if generator.device == like.device:
+            return torch.empty_like(like).uniform_(-1, 1, generator=generator)
+        noise = torch.empty(like.shape, dtype=like.dtype).uniform_(-1, 1, generator=generator)
+        return noise.to(like.device)
+
+    def _terms(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The sum of the terms' magnitudes at each output of an operation that sums terms
+        (a bound of it for a matrix product), or None."""
+        packet = func.overloadpacket
+        if packet is _aten.nll_loss_forward:
+            return func(-args[0].abs(), *args[1:], **kwargs)[0]
+        if packet in (_aten.sum, _aten.mean, _aten.cumsum, _aten.convolution):
+            return func(*tree_map(_magnitude, args), **tree_map(_magnitude, kwargs))
+        return _product_terms(packet, args, kwargs)
+
+    def transform(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: torch.Tensor,
+        position: int,
+    ) -> torch.Tensor:
+        try:
+            return self._rounded(func, args, kwargs, result, position)
+        except (RuntimeError, NotImplementedError, TypeError):
+            # A tensor subclass that cannot draw noise of its own layout (a sharded DTensor's
+            # uniform_): its result is kept, and the spread counts the rounding of the rest.
+            return result
+
+    def _rounded(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: torch.Tensor,
+        position: int,
+    ) -> torch.Tensor:
+        packet = func.overloadpacket
+        target = result.dtype
+        if self.dtype is not None and torch.finfo(self.dtype).eps > torch.finfo(target).eps:
+            target = self.dtype
+        exempt = result.numel() == 0 or target == torch.float64 or packet in _EXACT
+        if exempt or result.is_complex():
+            return result
+        half = torch.finfo(target).eps > torch.finfo(torch.float32).eps
+        value = result.to(torch.float64)
+        if half and target == result.dtype and not _writes(func):
+            try:  # the result before its rounding: the operation in float32
+                found = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
+                exact = found[position] if isinstance(found, (tuple, list)) else found
+                value = exact.to(torch.float64)
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass  # rounded again as it is
+        if position == 0 and (packet in _SUMS or packet is _aten.nll_loss_forward):
+            terms = self._terms(func, args, kwargs)
+            if terms is not None:
+                unit = torch.finfo(accumulation_dtype(target)).eps / 2
+                value = value + self._uniform(value) * terms.to(value).abs() * unit
+        if not half:  # one more rounding's error, then to nearest
+            unit = torch.finfo(target).eps / 2
+            return (value + self._uniform(value) * value.abs() * unit).to(target).to(result.dtype)
+        # Stochastic rounding: dithered by up to half a step of the target dtype at each
+        # element's magnitude (frexp's exponent e puts |x| in [2**(e-1), 2**e), where a step
+        # is 2**(e - digits)), then rounded to nearest.
+        _, exponent = torch.frexp(value)
+        half_step = torch.ldexp(torch.ones_like(value), exponent - _digits(target) - 1)
+        dithered = value + self._uniform(value) * half_step
+        return dithered.to(target).to(result.dtype)
+
+
+def _whole(result: Result) -> Result:
+    return result
+
+
+@dataclass
+class Spread:
+    """The reference problem's randomly rounded runs, computed once, on first demand.
+
+    ``problem`` is the reference's problem, in its own dtypes; ``strategy`` its strategy;
+    ``rounded_to`` the compute dtype of a rounded reference (``rounded=True``), whose every
+    step the runs round in that dtype; ``select`` what a test compares of a run (a rank's
+    slice of each gradient, sharding.py).
+    """
+
+    problem: Problem
+    strategy: Callable[[Problem], Result]
+    rounded_to: torch.dtype | None = None
+    select: Callable[[Result], Result] = _whole
+    _runs: list[Result] = field(default_factory=list, repr=False)
+
+    @property
+    def ran(self) -> bool:
+        """Whether the runs were made (an item asked for them)."""
+        return bool(self._runs)
+
+    def results(self) -> tuple[Result, ...]:
+        if not self._runs:
+            self._runs.extend(
+                self.strategy(
+                    replace(self.problem, mode=partial(RandomRounding, run, self.rounded_to))
+                )
+                for run in range(RUNS)
+            )
+        return tuple(self.select(run) for run in self._runs)
