@@ -19,7 +19,6 @@ CPU tensors inside).
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -321,6 +320,10 @@ def _pickled_backend(resolution: Resolution) -> bytes:
     """The backend policy for the ranks. A policy registered in a conftest may hold a lambda
     (its probe, its device count), which does not pickle: the ranks never probe or count, so
     those are left out there."""
+    # pickle loads with the first multi-rank test, as the rank processes' modules do (_run):
+    # the plugin's import does without it.
+    import pickle
+
     try:
         return pickle.dumps(resolution.backend)
     except Exception:
@@ -330,6 +333,8 @@ def _pickled_backend(resolution: Resolution) -> bytes:
 
 def _pickled_fixtures(values: dict[str, Any]) -> bytes:
     """The fixture values for the ranks; the test fails naming a value that cannot go."""
+    import pickle  # on demand, as in _pickled_backend
+
     try:
         return pickle.dumps(values)
     except Exception:
@@ -350,6 +355,8 @@ def _pickled_fixtures(values: dict[str, Any]) -> bytes:
 
 
 def _pickle_problem(value: Any) -> str | None:
+    import pickle  # on demand, as in _pickled_backend
+
     try:
         pickle.dumps(value)
     except Exception as error:
