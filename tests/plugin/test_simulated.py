@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gradref.devices import simulated
+from pytest_gradref.devices import simulated, simulated_devices
 
 SIM = ("--gradref-simulate=npu", "--gradref-device=npu", "-rxs")
 
@@ -404,12 +404,12 @@ def test_unknown_simulate_value(
 
 def test_device_count_follows_ascend_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     # The count alone, without installing anything in this process.
-    monkeypatch.setitem(simulated._installed, "count", 4)
+    monkeypatch.setitem(simulated_devices._installed, "count", 4)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
-    assert simulated.device_count() == 4
+    assert simulated_devices.device_count() == 4
     for visible, count in (("2,3", 2), ("3", 1), ("", 0), ("1,7,2", 1), ("0,1,2,3", 4)):
         monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", visible)
-        assert simulated.device_count() == count, visible
+        assert simulated_devices.device_count() == count, visible
 
 
 OTHER_LIBRARIES = """
@@ -417,7 +417,7 @@ import pytest
 import torch
 import torch_npu
 import transformers
-from pytest_gradref.devices.simulated import SimulatedDeviceError
+from pytest_gradref.devices.simulated_devices import SimulatedDeviceError
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.utils import is_torch_npu_available
 

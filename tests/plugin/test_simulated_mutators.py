@@ -312,7 +312,7 @@ import io
 
 import pytest
 import torch
-from pytest_gradref.devices.simulated import SimulatedDeviceError
+from pytest_gradref.devices.simulated_devices import SimulatedDeviceError
 
 NPU, NPU1 = torch.device("npu", 0), torch.device("npu", 1)
 
