@@ -18,15 +18,22 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pytest_gradref.config.strategies import Strategy, StrategyChoice
-    from pytest_gradref.config.tolerances import DEFAULT_TOLERANCES, CheckPolicy, Tolerance
+    from pytest_gradref.config.tolerances import (
+        DEFAULT_TOLERANCES,
+        AuxKey,
+        CheckPolicy,
+        Tolerance,
+    )
     from pytest_gradref.devices.backends import Backend, BackendRegistry, builtin_backend
-    from pytest_gradref.ranks.sharding import RankGradReference, ShardedReference
+    from pytest_gradref.ranks.sharding import RankGradReference, ShardedReference, ShardSpec
     from pytest_gradref.ranks.worker import RankContext
     from pytest_gradref.reference.auxiliary import UNCHECKED
     from pytest_gradref.reference.computation import compute_reference
+    from pytest_gradref.reference.golden import Golden
     from pytest_gradref.reference.grad_reference import GradReference
     from pytest_gradref.reference.recording import Disagreement
     from pytest_gradref.reference.result import Reference
+    from pytest_gradref.reference.rounding import Rounded
     from pytest_gradref.warning_types import (
         GoldenPrecisionWarning,
         GradrefWarning,
@@ -36,16 +43,20 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_TOLERANCES",
     "UNCHECKED",
+    "AuxKey",
     "Backend",
     "BackendRegistry",
     "CheckPolicy",
     "Disagreement",
+    "Golden",
     "GoldenPrecisionWarning",
     "GradReference",
     "GradrefWarning",
     "RankContext",
     "RankGradReference",
     "Reference",
+    "Rounded",
+    "ShardSpec",
     "ShardedReference",
     "Strategy",
     "StrategyChoice",
@@ -59,16 +70,20 @@ __all__ = [
 _HOMES = {
     "DEFAULT_TOLERANCES": "config.tolerances",
     "UNCHECKED": "reference.auxiliary",
+    "AuxKey": "config.tolerances",
     "Backend": "devices.backends",
     "BackendRegistry": "devices.backends",
     "CheckPolicy": "config.tolerances",
     "Disagreement": "reference.recording",
+    "Golden": "reference.golden",
     "GoldenPrecisionWarning": "warning_types",
     "GradReference": "reference.grad_reference",
     "GradrefWarning": "warning_types",
     "RankContext": "ranks.worker",
     "RankGradReference": "ranks.sharding",
     "Reference": "reference.result",
+    "Rounded": "reference.rounding",
+    "ShardSpec": "ranks.sharding",
     "ShardedReference": "ranks.sharding",
     "Strategy": "config.strategies",
     "StrategyChoice": "config.strategies",

@@ -33,7 +33,7 @@ import vocab_parallel_ce
 from torch import Tensor
 from vocab_parallel_ce import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 
-from pytest_gradref import RankContext, RankGradReference
+from pytest_gradref import RankContext, RankGradReference, ShardedReference, ShardSpec
 
 ROWS = (2, 6)  # (batch, tokens): logits (2, 6, V), sharded along V
 LOGIT_SCALE = 2.0
@@ -86,7 +86,10 @@ def check(
 ) -> None:
     logits, target, cotangent = draw(device, dtype, vocab, options.get("ignore_index", -100))
     weights = (cotangent,) if options.get("reduction") == "none" else ()
-    ref = grad_reference(cross_entropy, logits, target, *weights, shards={"logits": -1}, **options)
+    shards: ShardSpec = {"logits": -1}  # each rank holds its slice of the vocabulary
+    ref: ShardedReference = grad_reference(
+        cross_entropy, logits, target, *weights, shards=shards, **options
+    )
     ref.assert_close(*run_sharded(rank, logits, target, cotangent, **options))
 
 
