@@ -30,7 +30,7 @@ def header_once(config: pytest.Config) -> list[str]:
             if settings.seed_every_test
             else "the tests that use gradref"
         )
-        origin = seed_source if seed_source == "the default" else f"from {seed_source}"
+        origin = "the default" if settings.is_default(SEED_OPTION) else f"from {seed_source}"
         seed = f"{settings.seed} ({origin}; {seeded})"
     line = state.resolved.header_line(seed, settings.verdict)
     plan = config.stash.get(threads_key, None)

@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 
 DEVICE_HELP = (
     "device the gradient tests run on: auto (the first available of cuda, npu, xpu, mps, cpu), "
-    "a backend name such as cuda, or NAME:INDEX such as cuda:1. Default: auto."
+    "a backend name such as cuda, or NAME:INDEX such as cuda:1."
 )
 STRATEGY_HELP = (
     "how reference gradients are computed: auto (the backend's default: grad_and_value on npu, "
     "autograd elsewhere), autograd, grad_and_value, or crosscheck (both, reporting how far "
-    "they disagree). Default: auto."
+    "they disagree)."
 )
 
 VERDICT_HELP = (
@@ -43,7 +43,7 @@ VERDICT_HELP = (
     "gives no tolerance: golden (also compute the reference in float64 and pass each item whose "
     "error against it, greatest and normwise, is at most the default budget of 2 times the "
     "reference's own, plus a floor) or tolerance (torch.testing's tolerance of the dtype, "
-    "no float64 run: the cheapest). Default: golden."
+    "no float64 run: the cheapest)."
 )
 VERDICTS = ("golden", "tolerance")
 
@@ -62,6 +62,14 @@ class OptionSpec:
     action: str = "store"
     type: Callable[[str], Any] | None = None
     metavar: str | None = None
+    # A setting's value where no source gives one, as its sources would spell it: parsed like
+    # any other value, and named in the help ("Default: X.").
+    default: str | None = None
+
+    @property
+    def full_help(self) -> str:
+        """The help as --help shows it: the text, then the default."""
+        return self.help if self.default is None else f"{self.help} Default: {self.default}."
 
     def add_to(self, group: pytest.OptionGroup, parser: pytest.Parser) -> None:
         extra: dict[str, Any] = {"action": self.action}
@@ -69,29 +77,39 @@ class OptionSpec:
             extra.update(default=None, type=self.type, metavar=self.metavar)
         elif self.env is not None:  # a flag that is also a setting: None when not given
             extra.update(default=None)
-        group.addoption(self.flag, dest=self.dest, help=self.help, **extra)
+        group.addoption(self.flag, dest=self.dest, help=self.full_help, **extra)
         if self.ini is not None:
-            parser.addini(self.ini, help=self.help, default="")
+            parser.addini(self.ini, help=self.full_help, default="")
 
 
 DEVICE_OPTION = OptionSpec(
-    "--gradref-device", "gradref_device", DEVICE_HELP, "GRADREF_DEVICE", "gradref_device"
+    "--gradref-device",
+    "gradref_device",
+    DEVICE_HELP,
+    "GRADREF_DEVICE",
+    "gradref_device",
+    default="auto",
 )
 SEED_HELP = (
     "base seed: every test that uses gradref (a gradref fixture or marker) seeds torch from it "
     "and its node id, so it draws the same numbers alone, in any order and on any xdist "
-    "worker; off: gradref seeds nothing, for a suite that seeds its own tests. Default: 0."
+    "worker; off: gradref seeds nothing, for a suite that seeds its own tests."
 )
 # The seed setting that turns the plugin's per-test seeding off.
 SEED_OFF = "off"
 SEED_OPTION = OptionSpec(
-    "--gradref-seed", "gradref_seed", SEED_HELP, "GRADREF_SEED", "gradref_seed"
+    "--gradref-seed",
+    "gradref_seed",
+    SEED_HELP,
+    "GRADREF_SEED",
+    "gradref_seed",
+    default="0",
 )
 SEED_EVERY_TEST_HELP = (
     "seed every test of the session from the base seed, those that use no gradref fixture or "
     "marker too (by default only the tests that use gradref are seeded, so that a suite "
     "beside them keeps its own random state); true or false for the environment variable and "
-    "the ini key. Default: false."
+    "the ini key."
 )
 SEED_EVERY_TEST_OPTION = OptionSpec(
     "--gradref-seed-every-test",
@@ -100,6 +118,7 @@ SEED_EVERY_TEST_OPTION = OptionSpec(
     "GRADREF_SEED_EVERY_TEST",
     "gradref_seed_every_test",
     action="store_true",
+    default="false",
 )
 REPORT_HELP = (
     "write a JSON report to PATH: per test its device, strategy and seed, and per compared "
@@ -129,10 +148,20 @@ BASELINE_THRESHOLD_HELP = (
     "sigmas of its rounding noise)"
 )
 VERDICT_OPTION = OptionSpec(
-    "--gradref-verdict", "gradref_verdict", VERDICT_HELP, "GRADREF_VERDICT", "gradref_verdict"
+    "--gradref-verdict",
+    "gradref_verdict",
+    VERDICT_HELP,
+    "GRADREF_VERDICT",
+    "gradref_verdict",
+    default="golden",
 )
 STRATEGY_OPTION = OptionSpec(
-    "--gradref-strategy", "gradref_strategy", STRATEGY_HELP, "GRADREF_STRATEGY", "gradref_strategy"
+    "--gradref-strategy",
+    "gradref_strategy",
+    STRATEGY_HELP,
+    "GRADREF_STRATEGY",
+    "gradref_strategy",
+    default="auto",
 )
 REPORT_OPTION = OptionSpec("--gradref-report", "gradref_report", REPORT_HELP, metavar="PATH")
 # The ini key naming the project's command that writes its baseline again (shown where a run
@@ -159,11 +188,15 @@ BASELINE_THRESHOLD_OPTION = OptionSpec(
 SIMULATE_HELP = (
     "npu: run on a simulated npu device backed by the CPU (a testing aid for CI without Ascend "
     "hardware: it proves the npu code path, not Ascend numerics), registered before any device "
-    "is probed; none: no simulation. Refused where a real torch_npu imports. "
-    "Default: none."
+    "is probed; none: no simulation. Refused where a real torch_npu imports."
 )
 SIMULATE_OPTION = OptionSpec(
-    "--gradref-simulate", "gradref_simulate", SIMULATE_HELP, "GRADREF_SIMULATE", "gradref_simulate"
+    "--gradref-simulate",
+    "gradref_simulate",
+    SIMULATE_HELP,
+    "GRADREF_SIMULATE",
+    "gradref_simulate",
+    default="none",
 )
 # Each device type --gradref-simulate can simulate, and the package its real runtime comes in:
 # where that is not installed, an unavailable device's error names the simulation.
@@ -176,7 +209,7 @@ SIMULATE_NUMERICS_HELP = (
     "with --gradref-simulate=npu: cpu (every operator is torch's CPU kernel) or ascend (also "
     "model what Huawei documents of Ascend numerics: float32 matmul-class operators round "
     "their operands to HF32 while torch.npu.matmul.allow_hf32 is True, default False, and "
-    "convolutions while torch.npu.conv.allow_hf32 is True, default True). Default: cpu."
+    "convolutions while torch.npu.conv.allow_hf32 is True, default True)."
 )
 SIMULATE_NUMERICS_OPTION = OptionSpec(
     "--gradref-simulate-numerics",
@@ -184,6 +217,7 @@ SIMULATE_NUMERICS_OPTION = OptionSpec(
     SIMULATE_NUMERICS_HELP,
     "GRADREF_SIMULATE_NUMERICS",
     "gradref_simulate_numerics",
+    default="cpu",
 )
 # The session's exit status when --gradref-strict-device finds tests that ran without the
 # gradref device (BASELINE_REGRESSION_EXIT is 6).
@@ -192,7 +226,7 @@ STRICT_DEVICE_HELP = (
     "on any device but the CPU, or a simulated one, fail the session (exit status "
     f"{STRICT_DEVICE_EXIT}) when tests ran without the gradref device (no gradref fixture or "
     "marker), so that coverage that did not happen cannot pass; true or false for the "
-    "environment variable and the ini key. Default: false."
+    "environment variable and the ini key."
 )
 STRICT_DEVICE_OPTION = OptionSpec(
     "--gradref-strict-device",
@@ -201,6 +235,7 @@ STRICT_DEVICE_OPTION = OptionSpec(
     "GRADREF_STRICT_DEVICE",
     "gradref_strict_device",
     action="store_true",
+    default="false",
 )
 
 # How long a multi-rank test's ranks may run before they count as hung, when the test's
@@ -209,7 +244,7 @@ DEFAULT_RANK_TIMEOUT = 300.0
 RANK_TIMEOUT_HELP = (
     "seconds a rank of a multi-rank test (@pytest.mark.gradref_ranks) may run before it "
     "counts as hung: it is then ended, and the test fails with every hung rank's Python "
-    "stack; the marker's timeout= wins for its test. Default: 300."
+    "stack; the marker's timeout= wins for its test."
 )
 RANK_TIMEOUT_OPTION = OptionSpec(
     "--gradref-rank-timeout",
@@ -217,6 +252,7 @@ RANK_TIMEOUT_OPTION = OptionSpec(
     RANK_TIMEOUT_HELP,
     "GRADREF_RANK_TIMEOUT",
     "gradref_rank_timeout",
+    default=f"{DEFAULT_RANK_TIMEOUT:g}",
 )
 
 THREADS_HELP = (
@@ -224,10 +260,15 @@ THREADS_HELP = (
     f"host's cores in every process), {SPLIT_CHOICE} (each xdist worker gets its share of the "
     f"cores, at least one, unless {OMP_ENV} is set; a session without xdist keeps torch's "
     "own), or a positive integer. Under -n, torch's own count has every worker use every core: "
-    "oversubscribed, small operators run several times slower. Default: torch."
+    "oversubscribed, small operators run several times slower."
 )
 THREADS_OPTION = OptionSpec(
-    "--gradref-threads", "gradref_threads", THREADS_HELP, "GRADREF_THREADS", "gradref_threads"
+    "--gradref-threads",
+    "gradref_threads",
+    THREADS_HELP,
+    "GRADREF_THREADS",
+    "gradref_threads",
+    default="torch",
 )
 
 
@@ -252,8 +293,12 @@ OPTIONS = (
 
 @dataclass(frozen=True)
 class Setting:
+    """A setting's value as its source spelt it, and that source in words; ``is_default``
+    where no source gave one and the value is the option's default."""
+
     value: str
     source: str
+    is_default: bool = False
 
 
 def read_setting(
@@ -274,13 +319,13 @@ def read_setting(
     if ini:
         where = config.inipath.name if config.inipath else "the ini file"
         return Setting(ini, f"the {spec.ini} ini key in {where}")
-    return Setting("auto", "the default")
+    if spec.default is None:
+        raise ValueError(f"{spec.flag} is a setting without a default")
+    return Setting(spec.default, "the default", is_default=True)
 
 
 def parse_seed(setting: Setting) -> int | None:
     """The base seed, or None for off (the suite seeds its tests, or leaves them unseeded)."""
-    if setting.value == "auto":
-        return 0
     if setting.value.lower() == SEED_OFF:
         return None
     try:
@@ -297,7 +342,7 @@ def parse_seed(setting: Setting) -> int | None:
 
 def parse_verdict(setting: Setting) -> str:
     """golden (the default) or tolerance."""
-    value = "golden" if setting.source == "the default" else setting.value
+    value = setting.value
     if value not in VERDICTS:
         raise pytest.UsageError(
             f"Invalid gradref verdict {setting.value!r} from {setting.source}; valid values "
@@ -308,7 +353,7 @@ def parse_verdict(setting: Setting) -> str:
 
 def parse_simulate(setting: Setting) -> str | None:
     """The device type to simulate, or None for no simulation."""
-    if setting.source == "the default" or setting.value == "none":
+    if setting.value == "none":
         return None
     if setting.value in SIMULATABLE:
         return setting.value
@@ -321,7 +366,7 @@ def parse_simulate(setting: Setting) -> str | None:
 def parse_simulate_numerics(setting: Setting, simulate: str | None) -> str:
     """The simulated device's numerics: cpu (the default) or ascend, which needs the
     simulated npu."""
-    value = "cpu" if setting.source == "the default" else setting.value
+    value = setting.value
     if value not in SIMULATE_NUMERICS:
         raise pytest.UsageError(
             f"Invalid gradref simulate numerics {setting.value!r} from {setting.source}; "
@@ -342,8 +387,6 @@ FLAG_VALUES = {"true": True, "1": True, "yes": True, "false": False, "0": False,
 
 def parse_flag(setting: Setting) -> bool:
     """A yes-or-no setting: the flag on the command line, true or false elsewhere."""
-    if setting.source == "the default":
-        return False
     value = FLAG_VALUES.get(setting.value.lower())
     if value is None:
         raise pytest.UsageError(
@@ -355,8 +398,6 @@ def parse_flag(setting: Setting) -> bool:
 
 def parse_rank_timeout(setting: Setting) -> float:
     """The rank timeout in seconds: a positive number."""
-    if setting.source == "the default":
-        return DEFAULT_RANK_TIMEOUT
     try:
         seconds = float(setting.value)
     except ValueError:
@@ -372,8 +413,6 @@ def parse_rank_timeout(setting: Setting) -> float:
 def parse_threads(setting: Setting) -> int | str:
     """The threads setting: TORCH_CHOICE, SPLIT_CHOICE or a positive integer."""
     value = setting.value.strip().lower()
-    if setting.source == "the default":
-        return TORCH_CHOICE
     if value in (TORCH_CHOICE, SPLIT_CHOICE):
         return value
     if value.isdigit() and int(value) > 0:
@@ -469,6 +508,7 @@ class Settings:
         baseline_refresh: the project's command that writes the baseline again ("" for none).
         sources: where each option's value came from, by its ``OptionSpec.dest``: "the
             --gradref-seed option", "the GRADREF_SEED environment variable", "the default".
+        defaults: the ``OptionSpec.dest`` of every option no source gave.
     """
 
     device: DeviceRequest
@@ -487,10 +527,15 @@ class Settings:
     baseline_threshold: float
     baseline_refresh: str
     sources: Mapping[str, str]
+    defaults: frozenset[str]
 
     def source(self, spec: OptionSpec) -> str:
         """Where the option's value came from, as an error or the header names it."""
         return self.sources[spec.dest]
+
+    def is_default(self, spec: OptionSpec) -> bool:
+        """Whether no source gave the option, so it holds its default."""
+        return spec.dest in self.defaults
 
     @property
     def simulated(self) -> frozenset[str]:
@@ -498,22 +543,25 @@ class Settings:
         return frozenset({self.simulate} if self.simulate else ())
 
 
-def _plain_source(config: pytest.Config, spec: OptionSpec) -> str:
-    """The source of a plain option (command line only): the option, or the default."""
-    given = config.getoption(spec.dest) not in (None, False)
-    return f"the {spec.flag} option" if given else "the default"
+def _plain_setting(config: pytest.Config, spec: OptionSpec) -> Setting:
+    """A plain option (command line only) as a setting: given, or left at its default."""
+    value = config.getoption(spec.dest)
+    if value in (None, False):
+        return Setting(str(spec.default or ""), "the default", is_default=True)
+    return Setting(str(value), f"the {spec.flag} option")
 
 
 def read_settings(config: pytest.Config, registry: BackendRegistry) -> Settings:
     """Every gradref setting, each from its highest source, validated: a usage error names
     the source of a bad value and says what is valid. ``registry`` holds the backends a
     device setting may name."""
-    raw = {spec.dest: read_setting(config, spec) for spec in OPTIONS if spec.ini}
-    sources = {spec.dest: _plain_source(config, spec) for spec in OPTIONS if not spec.ini}
-    sources.update((dest, setting.source) for dest, setting in raw.items())
+    raw = {
+        spec.dest: read_setting(config, spec) if spec.ini else _plain_setting(config, spec)
+        for spec in OPTIONS
+    }
     baseline = config.getoption(BASELINE_OPTION.dest)
     for gate_option in (BASELINE_FAIL_OPTION, BASELINE_THRESHOLD_OPTION):
-        if sources[gate_option.dest] != "the default" and not baseline:
+        if not raw[gate_option.dest].is_default and not baseline:
             # A gate without a baseline would pass on nothing.
             raise pytest.UsageError(
                 f"{gate_option.flag} needs {BASELINE_OPTION.flag}=BASE.json, the report to "
@@ -543,5 +591,6 @@ def read_settings(config: pytest.Config, registry: BackendRegistry) -> Settings:
         baseline_fail=bool(config.getoption(BASELINE_FAIL_OPTION.dest)),
         baseline_threshold=float(threshold),
         baseline_refresh=str(config.getini(BASELINE_REFRESH_INI)).strip(),
-        sources=MappingProxyType(sources),
+        sources=MappingProxyType({dest: setting.source for dest, setting in raw.items()}),
+        defaults=frozenset(dest for dest, setting in raw.items() if setting.is_default),
     )

@@ -344,6 +344,14 @@ def test_every_setting_is_read_once_into_one_object_with_its_source(
     )
     assert (settings.device.backend, settings.device.index) == (None, None)  # auto
     assert (settings.baseline, settings.source(BASELINE_OPTION)) == (None, "the default")
+    # Which options hold their default is data on the settings, not read back from the text.
+    assert settings.defaults == {spec.dest for spec in OPTIONS} - {
+        SEED_OPTION.dest,
+        STRATEGY_OPTION.dest,
+        VERDICT_OPTION.dest,
+        RANK_TIMEOUT_OPTION.dest,
+    }
+    assert not settings.is_default(VERDICT_OPTION)
     assert settings.baseline_threshold == 2.0
     assert settings.baseline_refresh == "make baseline"
     assert (settings.simulate, settings.simulate_numerics, settings.strict_device) == (
@@ -351,3 +359,36 @@ def test_every_setting_is_read_once_into_one_object_with_its_source(
         "cpu",
         False,
     )
+
+
+def test_a_value_is_parsed_by_what_it_is_not_by_where_it_came_from() -> None:
+    # A parser decides on the value and on whether it is the default, never on the source's
+    # words: a bad value is refused whatever its source is called, and each option's default
+    # is an ordinary value of its own, parsed like one a user gives.
+    from pytest_gradref.config.settings import (
+        OPTIONS,
+        VERDICT_OPTION,
+        Setting,
+        parse_verdict,
+    )
+
+    with pytest.raises(pytest.UsageError, match="Invalid gradref verdict 'bogus'"):
+        parse_verdict(Setting("bogus", "the default"))
+    assert parse_verdict(Setting("golden", "the GRADREF_VERDICT environment variable")) == (
+        "golden"
+    )
+    settings_with_defaults = [spec for spec in OPTIONS if spec.ini]
+    assert all(spec.default is not None for spec in settings_with_defaults)
+    assert VERDICT_OPTION.full_help.endswith(" Default: golden.")
+
+
+@pytest.mark.parametrize("option", ["--gradref-seed", "--gradref-verdict", "--gradref-threads"])
+def test_auto_is_a_value_only_where_it_is_documented(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    # auto means "choose for me" for the device and the strategy; for the other settings it
+    # is refused, the same for each, instead of standing for their default on some of them.
+    pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = pytester.runpytest_inprocess(f"{option}=auto")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: Invalid gradref * 'auto' from the {option} option*"])

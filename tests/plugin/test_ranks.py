@@ -13,7 +13,7 @@ import torch
 
 from pytest_gradref.config.markers import MarkerError
 from pytest_gradref.config.resolution import Resolution
-from pytest_gradref.config.settings import Setting, parse_rank_timeout
+from pytest_gradref.config.settings import RANK_TIMEOUT_OPTION, Setting, parse_rank_timeout
 from pytest_gradref.devices.backends import builtin_backend
 from pytest_gradref.ranks import pytest_side
 from pytest_gradref.ranks.pytest_side import owned_devices, parse_ranks_mark, rank_devices
@@ -129,7 +129,9 @@ def test_a_bad_rank_timeout_names_its_source(
 
 
 def test_the_rank_timeout_defaults_to_300_seconds() -> None:
-    assert parse_rank_timeout(Setting("auto", "the default")) == 300
+    default = RANK_TIMEOUT_OPTION.default
+    assert default is not None
+    assert parse_rank_timeout(Setting(default, "the default", is_default=True)) == 300
     assert (
         parse_rank_timeout(Setting("2.5", "the GRADREF_RANK_TIMEOUT environment variable")) == 2.5
     )
