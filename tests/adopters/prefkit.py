@@ -61,7 +61,7 @@ class _ChunkedLoss(torch.autograd.Function):
     The weight and bias gradients accumulate in float32 (``upcast``) or in their own dtype."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         chunk_loss: Callable[..., tuple[Tensor, tuple[Tensor, ...]]],
         chunk_dim: int,
@@ -109,7 +109,7 @@ class _ChunkedLoss(torch.autograd.Function):
         return (None, None, None, *scaled, None, None, None)
 
 
-def _total(parts: list[Tensor]) -> Tensor:
+def _total(parts: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
     """The sum of the chunks' scalars in at least float32 (as Liger's accumulators are)."""
     stacked = torch.stack(parts)
     return stacked.to(torch.promote_types(stacked.dtype, torch.float32)).sum()
@@ -126,7 +126,7 @@ def _run(
     frozen: tuple[Any, ...],
     upcast: bool,
 ) -> tuple[Tensor, tuple[Tensor, ...]]:
-    result: tuple[Tensor, tuple[Tensor, ...]] = _ChunkedLoss.apply(
+    result: tuple[Tensor, tuple[Tensor, ...]] = _ChunkedLoss.apply(  # type: ignore[no-untyped-call]
         chunk_loss, chunk_dim, chunk_size, x, weight, bias, chunked, frozen, upcast
     )
     return result
@@ -301,7 +301,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     ``grad_weight += dz.T @ x`` accumulated in float32, as GRPO-style kernels do."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         weight: Tensor,
@@ -366,7 +366,9 @@ def fused_linear_token_logps(
 ) -> Tensor:
     """Each token's log-probability of its target (0 where ignored), a float32 tensor of
     ``target``'s shape, from chunks of rows of ``x @ weight.T + bias`` in float32."""
-    result: Tensor = _ChunkedTokenLogps.apply(x, weight, bias, target, ignore_index, chunk_size)
+    result: Tensor = _ChunkedTokenLogps.apply(  # type: ignore[no-untyped-call]
+        x, weight, bias, target, ignore_index, chunk_size
+    )
     return result
 
 
@@ -717,7 +719,8 @@ def fused_linear_orpo(
     """The chunked ORPO kernel. ``compiled`` runs it under ``torch.compile``: True with its
     default backend (Inductor), or a backend's name."""
     if compiled:
-        return _compiled(fused_linear_orpo, compiled)(
+        backend = "inductor" if compiled is True else compiled  # torch.compile's default
+        return _compiled(fused_linear_orpo, backend)(
             input, weight, target, bias, beta, ignore_index, compute_nll_loss, chunk_size, upcast
         )
 
@@ -750,7 +753,8 @@ def fused_linear_simpo(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The chunked SimPO kernel; ``compiled`` as for ``fused_linear_orpo``."""
     if compiled:
-        return _compiled(fused_linear_simpo, compiled)(
+        backend = "inductor" if compiled is True else compiled  # torch.compile's default
+        return _compiled(fused_linear_simpo, backend)(
             input,
             weight,
             target,
@@ -775,10 +779,13 @@ def fused_linear_simpo(
     return loss, dict(zip(AUX_NAMES, aux))
 
 
+PreferenceKernel = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+
 @functools.cache
-def _compiled(fn: Callable[..., Any], backend: bool | str) -> Callable[..., Any]:
+def _compiled(fn: PreferenceKernel, backend: str) -> PreferenceKernel:
     """One compiled wrapper per kernel and backend, so its graphs are reused across calls.
     The whole kernel is traced: the autograd.Function with the chunk loop and grad_and_value
     inside it (``grad_and_value`` of a compiled chunk would run eagerly: Dynamo does not trace
     a compiled frame that an eager functorch transform calls)."""
-    return torch.compile(fn) if backend is True else torch.compile(fn, backend=backend)
+    return torch.compile(fn, backend=backend)

@@ -4,20 +4,26 @@ applies to every test; the LM heads and the batches its tests build."""
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # the conftest imports this module: it loads no more of the plugin than before
+    from pytest_gradref import GradReference, Reference
 
 
 def infer_device() -> str:
     """npu where torch_npu imports and sees a device, then cuda, then cpu."""
     try:
-        import torch_npu  # noqa: F401  (it registers torch.npu)
-
-        if torch.npu.is_available():
+        # By name, as the plugin's probe does: torch_npu ships no type information, and
+        # torch.npu exists only once torch_npu has registered it.
+        importlib.import_module("torch_npu")
+        npu = getattr(torch, "npu", None)
+        if npu is not None and npu.is_available():
             return "npu"
     except Exception:  # not installed, or installed without the Ascend toolkit: no npu
         pass
@@ -95,7 +101,7 @@ def preference_batch(
 
 
 def run_heads(
-    grad_reference: Any,
+    grad_reference: GradReference,
     device: torch.device,
     reference: Callable[..., Any],
     kernel: Callable[..., Any],
@@ -104,7 +110,7 @@ def run_heads(
     bias: bool = True,
     ignore_index: int = -100,
     **loss_kwargs: Any,
-) -> tuple[Any, Tensor, Tensor | None, LMHead, dict[str, Tensor]]:
+) -> tuple[Reference, Tensor, Tensor | None, LMHead, dict[str, Tensor]]:
     """The reference's values and gradients (input, weight, bias) by ``grad_reference``, and
     the kernel head's loss, input gradient, head (its parameters' gradients) and aux."""
     ref_head, kernel_head = heads(
