@@ -1,3 +1,5 @@
+# torch/_tensor.py leaves Tensor.backward unannotated: calls to it are not flagged as untyped.
+# mypy: untyped-calls-exclude=torch._tensor
 """Distillation losses of prefkit (JSD and cosine) against their plain references.
 
 Written as a kernel library's maintainer would on pytest-gradref: no device branches, no
@@ -7,9 +9,15 @@ kernels return a float32 loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from prefkit import cosine_reference, draw, fused_linear_cosine, fused_linear_jsd, jsd_reference
+from torch import Tensor
+
+from pytest_gradref import GradReference
 
 SHAPES = [(2, 8, 32, 64), (3, 7, 31, 123)]  # batch, tokens, hidden, vocab
 # bf16 cases are judged against a float64 golden: the kernel's error may be at most twice the
@@ -22,7 +30,9 @@ BF16 = pytest.param(
 DTYPES = [BF16, pytest.param(torch.float32, id="float32")]
 
 
-def distillation_inputs(device, dtype, batch, tokens, hidden, vocab):
+def distillation_inputs(
+    device: torch.device, dtype: torch.dtype, batch: int, tokens: int, hidden: int, vocab: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Student and teacher hidden states and heads, logits of a standard deviation near 2."""
     gen = torch.Generator().manual_seed(batch * 1000 + vocab)
     rows, scale = batch * tokens, 2 / hidden**0.5
@@ -34,7 +44,9 @@ def distillation_inputs(device, dtype, batch, tokens, hidden, vocab):
     )
 
 
-def run_kernel(kernel, *args, trained=2, **kwargs):
+def run_kernel(
+    kernel: Callable[..., Tensor], *args: Tensor, trained: int = 2, **kwargs: Any
+) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """kernel(*args) on fresh leaves of its first ``trained`` arguments, then backward()."""
     leaves = [a.detach().clone().requires_grad_() for a in args[:trained]]
     loss = kernel(*leaves, *args[trained:], **kwargs)
@@ -45,7 +57,14 @@ def run_kernel(kernel, *args, trained=2, **kwargs):
 @pytest.mark.parametrize(("beta", "temperature"), [(0.5, 1.0), (0.1, 2.0)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_fused_linear_jsd(grad_reference, gradref_device, shape, dtype, beta, temperature):
+def test_fused_linear_jsd(
+    grad_reference: GradReference,
+    gradref_device: torch.device,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    beta: float,
+    temperature: float,
+) -> None:
     args = distillation_inputs(gradref_device, dtype, *shape)
     ref = grad_reference(jsd_reference, *args, argnums=(0, 1), beta=beta, temperature=temperature)
     loss, grads = run_kernel(fused_linear_jsd, *args, beta=beta, temperature=temperature)
@@ -56,18 +75,37 @@ def test_fused_linear_jsd(grad_reference, gradref_device, shape, dtype, beta, te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_fused_linear_cosine(
-    grad_reference, gradref_device, shape, dtype, weight_hard_loss, weight_soft_loss
-):
+    grad_reference: GradReference,
+    gradref_device: torch.device,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    weight_hard_loss: float,
+    weight_soft_loss: float,
+) -> None:
     x, w, tx, tw = distillation_inputs(gradref_device, dtype, *shape)
     gen = torch.Generator().manual_seed(1)
     labels = torch.randint(0, shape[3], (x.shape[0],), generator=gen)
     labels[::3] = -100
     bias = draw(gen, shape[3], device=gradref_device, dtype=dtype)
     args = (x, w, tx, tw, labels.to(gradref_device), bias)
-    weights = {"weight_hard_loss": weight_hard_loss, "weight_soft_loss": weight_soft_loss}
-    ref = grad_reference(cosine_reference, *args, argnums=(0, 1, 5), **weights)
+    ref = grad_reference(
+        cosine_reference,
+        *args,
+        argnums=(0, 1, 5),
+        weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss,
+    )
     leaves = [a.detach().clone().requires_grad_() for a in (x, w, bias)]
-    loss = fused_linear_cosine(leaves[0], leaves[1], tx, tw, args[4], leaves[2], **weights)
+    loss = fused_linear_cosine(
+        leaves[0],
+        leaves[1],
+        tx,
+        tw,
+        args[4],
+        leaves[2],
+        weight_hard_loss=weight_hard_loss,
+        weight_soft_loss=weight_soft_loss,
+    )
     loss.backward()
     ref.assert_close(loss, tuple(leaf.grad for leaf in leaves))
 
@@ -77,9 +115,12 @@ def test_fused_linear_cosine(
     ("dtype", "error"),
     [pytest.param(*BF16.values, 1.03, marks=BF16.marks, id="bfloat16"), (torch.float32, 1.01)],
 )
-def test_a_weight_gradient_error_is_named(grad_reference, gradref_device, dtype, error):
+def test_a_weight_gradient_error_is_named(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype, error: float
+) -> None:
     args = distillation_inputs(gradref_device, dtype, *SHAPES[0])
     ref = grad_reference(jsd_reference, *args, argnums=(0, 1))
     loss, (grad_x, grad_w) = run_kernel(fused_linear_jsd, *args)
+    assert grad_w is not None
     with pytest.raises(AssertionError, match=r"1 of 3 items differ\n- gradient of argument 1"):
         ref.assert_close(loss, (grad_x, grad_w * error))

@@ -1,3 +1,5 @@
+# torch/_tensor.py leaves Tensor.backward unannotated: calls to it are not flagged as untyped.
+# mypy: untyped-calls-exclude=torch._tensor
 """prefkit's chunked DPO loss: the functional, the LM head with a frozen reference model, and
 kernel against kernel; loss, gradients and the seven aux outputs, with no device branches and
 no tolerances (bf16 cases against a float64 golden, as in test_adopter_distillation)."""
@@ -15,12 +17,27 @@ from prefkit import (
     fused_linear_dpo,
 )
 from test_adopter_distillation import DTYPES
+from torch import Tensor
+
+from pytest_gradref import GradReference
 
 SHAPES = [(2, 6, 32, 48), (3, 5, 31, 61)]  # pairs, tokens, hidden, vocab
 IGNORE_INDEX = -100
 
+# fused_linear_dpo's positional arguments: input, weight, target, bias, ref_input, ref_weight,
+# ref_bias.
+PreferenceInputs = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor, Tensor | None]
 
-def preference_inputs(device, dtype, pairs, tokens, hidden, vocab, bias=True):
+
+def preference_inputs(
+    device: torch.device,
+    dtype: torch.dtype,
+    pairs: int,
+    tokens: int,
+    hidden: int,
+    vocab: int,
+    bias: bool = True,
+) -> PreferenceInputs:
     """(input, weight, target, bias, ref_input, ref_weight, ref_bias): chosen sequences
     first, rejected second, a quarter of the target tokens ignored."""
     gen = torch.Generator().manual_seed(pairs * 100 + vocab)
@@ -28,7 +45,7 @@ def preference_inputs(device, dtype, pairs, tokens, hidden, vocab, bias=True):
     target = torch.randint(0, vocab, (2 * pairs, tokens), generator=gen)
     target[torch.rand(target.shape, generator=gen) < 0.25] = IGNORE_INDEX
 
-    def head():
+    def head() -> tuple[Tensor, Tensor | None]:
         weight = draw(gen, vocab, hidden, device=device, dtype=dtype, scale=scale)
         return weight, draw(gen, vocab, device=device, dtype=dtype) if bias else None
 
@@ -37,30 +54,48 @@ def preference_inputs(device, dtype, pairs, tokens, hidden, vocab, bias=True):
     return x, weight, target.to(device), b, ref_x, ref_weight, ref_b
 
 
-def leaves(*tensors):
+def leaves(*tensors: Tensor) -> list[Tensor]:
     return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def with_fresh_leaves(args: PreferenceInputs) -> tuple[PreferenceInputs, tuple[Tensor, ...]]:
+    """``args`` with fresh leaves for the trained input, weight and bias (where there is one),
+    and those leaves."""
+    x, weight, target, bias, ref_x, ref_weight, ref_bias = args
+    x, weight = leaves(x, weight)
+    if bias is None:
+        return (x, weight, target, None, ref_x, ref_weight, ref_bias), (x, weight)
+    (bias,) = leaves(bias)
+    return (x, weight, target, bias, ref_x, ref_weight, ref_bias), (x, weight, bias)
 
 
 @pytest.mark.parametrize(("bias", "compute_nll_loss"), [(True, False), (False, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_fused_linear_dpo(grad_reference, gradref_device, shape, dtype, bias, compute_nll_loss):
+def test_fused_linear_dpo(
+    grad_reference: GradReference,
+    gradref_device: torch.device,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    bias: bool,
+    compute_nll_loss: bool,
+) -> None:
     args = preference_inputs(gradref_device, dtype, *shape, bias=bias)
     trained = (0, 1, 3) if bias else (0, 1)
     ref = grad_reference(
         dpo_reference, *args, argnums=trained, has_aux=True, compute_nll_loss=compute_nll_loss
     )
-    call = list(args)
-    for position, leaf in zip(trained, leaves(*(args[i] for i in trained))):
-        call[position] = leaf
+    call, trained_leaves = with_fresh_leaves(args)
     loss, aux = fused_linear_dpo(*call, compute_nll_loss=compute_nll_loss)
     loss.backward()
     assert sorted(aux) == sorted(AUX_NAMES)
-    ref.assert_close(loss, tuple(call[i].grad for i in trained), aux=aux)
+    ref.assert_close(loss, tuple(leaf.grad for leaf in trained_leaves), aux=aux)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_lm_head_with_a_frozen_reference_model(grad_reference, gradref_device, dtype):
+def test_lm_head_with_a_frozen_reference_model(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     x, *_, ref_x, _, _ = preference_inputs(gradref_device, dtype, *SHAPES[1])
     target = preference_inputs(gradref_device, dtype, *SHAPES[1])[2]
     torch_head = TorchLMHeadDPO(SHAPES[1][2], SHAPES[1][3], dtype).to(gradref_device)
@@ -76,19 +111,23 @@ def test_lm_head_with_a_frozen_reference_model(grad_reference, gradref_device, d
     ref.assert_close(loss, x_leaf.grad, param_grads=fused_head, aux=aux)
 
 
-def test_the_rewards_are_checked(grad_reference, gradref_device):
+def test_the_rewards_are_checked(
+    grad_reference: GradReference, gradref_device: torch.device
+) -> None:
     args = preference_inputs(gradref_device, torch.float32, *SHAPES[0])
     ref = grad_reference(dpo_reference, *args, argnums=(0, 1, 3), has_aux=True)
-    x, w, b = leaves(args[0], args[1], args[3])
-    loss, aux = fused_linear_dpo(x, w, args[2], b, *args[4:])
+    call, trained_leaves = with_fresh_leaves(args)
+    loss, aux = fused_linear_dpo(*call)
     loss.backward()
     aux["chosen_rewards"] = aux["chosen_rewards"] * 1.01
     with pytest.raises(AssertionError, match=r"1 of 11 items differ\n- aux\['chosen_rewards'\]"):
-        ref.assert_close(loss, (x.grad, w.grad, b.grad), aux=aux)
+        ref.assert_close(loss, tuple(leaf.grad for leaf in trained_leaves), aux=aux)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_head_against_functional_kernel(grad_reference, gradref_device, dtype):
+def test_head_against_functional_kernel(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     # Kernel against kernel: the functional is the reference. Its autograd.Function has no
     # setup_context, so grad_reference.kernel computes it by autograd on every backend.
     x, w, target, b, ref_x, ref_w, ref_b = preference_inputs(gradref_device, dtype, *SHAPES[0])

@@ -1,3 +1,5 @@
+# torch/_tensor.py leaves Tensor.backward unannotated: calls to it are not flagged as untyped.
+# mypy: untyped-calls-exclude=torch._tensor
 """The checks real preference suites make that used to need hand allowances, with none.
 
 Liger-Kernel's GRPO and CPO chunked-loss tests, moved onto the plugin, kept four: the logits
@@ -20,7 +22,7 @@ import torch
 from prefkit import ORPO_AUX_NAMES, draw, fused_linear_orpo, orpo_reference
 from torch import Tensor
 
-from pytest_gradref import GoldenPrecisionWarning
+from pytest_gradref import GoldenPrecisionWarning, GradReference
 
 DTYPES = [torch.bfloat16, torch.float32]
 # pairs, tokens, hidden, vocab: 64 x 512 logits per side, whose means cancel.
@@ -52,7 +54,9 @@ def orpo_kernel(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_orpo_logits_means_need_no_allowance(grad_reference, gradref_device, dtype):
+def test_orpo_logits_means_need_no_allowance(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     x, weight, target = orpo_inputs(gradref_device, dtype)
     ref = grad_reference(orpo_reference, x, weight, target, argnums=(0, 1), has_aux=True)
     loss, grads, aux = orpo_kernel(x, weight, target)
@@ -61,7 +65,9 @@ def test_orpo_logits_means_need_no_allowance(grad_reference, gradref_device, dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_one_percent_preference_scale_fails(grad_reference, gradref_device, dtype):
+def test_a_one_percent_preference_scale_fails(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     x, weight, target = orpo_inputs(gradref_device, dtype)
     ref = grad_reference(orpo_reference, x, weight, target, argnums=(0, 1), has_aux=True)
     loss, grads, aux = orpo_kernel(x, weight, target, loss_scale=1.01)
@@ -134,7 +140,10 @@ def grpo_kernel(
     return loss, (xs.grad, ws.grad), aux
 
 
-def grpo_inputs(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+def grpo_inputs(
+    device: torch.device, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(x, weight, target, ref_logps, advantages), grpo_kernel's tensors."""
     gen = torch.Generator().manual_seed(11)
     sequences, tokens, hidden, vocab = 8, 16, 64, 1024
     x = draw(gen, sequences, tokens, hidden, device=device, dtype=dtype)
@@ -149,7 +158,9 @@ def grpo_inputs(device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_grpo_kl_and_logits_mean_need_no_allowance(grad_reference, gradref_device, dtype):
+def test_grpo_kl_and_logits_mean_need_no_allowance(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     args = grpo_inputs(gradref_device, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", GoldenPrecisionWarning)  # .float() inside, promoted
@@ -161,7 +172,9 @@ def test_grpo_kl_and_logits_mean_need_no_allowance(grad_reference, gradref_devic
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_one_percent_per_token_loss_error_fails(grad_reference, gradref_device, dtype):
+def test_a_one_percent_per_token_loss_error_fails(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     args = grpo_inputs(gradref_device, dtype)
     ref = grad_reference(grpo_reference, *args, argnums=(0, 1), has_aux=True)
     loss, grads, aux = grpo_kernel(*args, token_scale=1.01)

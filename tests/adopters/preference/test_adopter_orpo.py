@@ -13,6 +13,8 @@ import torch
 from preference_utils import run_heads
 from prefkit import ORPO_AUX_NAMES, fused_linear_orpo, orpo_reference
 
+from pytest_gradref import GradReference
+
 SHAPES = [(2, 6, 16, 32), (3, 7, 31, 61)]  # pairs, tokens, hidden, vocab
 DTYPES = [torch.bfloat16, torch.float32]
 
@@ -23,7 +25,16 @@ DTYPES = [torch.bfloat16, torch.float32]
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_orpo(grad_reference, gradref_device, shape, dtype, bias, ignore_index, beta, chunk_size):
+def test_orpo(
+    grad_reference: GradReference,
+    gradref_device: torch.device,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    bias: bool,
+    ignore_index: int,
+    beta: float,
+    chunk_size: int,
+) -> None:
     kernel = partial(fused_linear_orpo, chunk_size=chunk_size)
     case = (orpo_reference, kernel, shape, dtype, bias, ignore_index)
     ref, loss, grad_x, head, aux = run_heads(grad_reference, gradref_device, *case, beta=beta)
@@ -36,14 +47,18 @@ def test_orpo(grad_reference, gradref_device, shape, dtype, bias, ignore_index, 
 # AOTAutograd's joint graph); Inductor's code generation adds 12-47 s a graph on a 2-core CPU
 # host. On the simulated npu compiled frames run eagerly (the run's header says so).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_orpo_compiled(grad_reference, gradref_device, dtype):
+def test_orpo_compiled(
+    grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
     kernel = partial(fused_linear_orpo, compiled="aot_eager")
     case = (orpo_reference, kernel, SHAPES[0], dtype)
     ref, loss, grad_x, head, aux = run_heads(grad_reference, gradref_device, *case)
     ref.assert_close(loss, grad_x, param_grads=head, aux=aux)
 
 
-def test_a_one_percent_log_odds_error_is_caught(grad_reference, gradref_device):
+def test_a_one_percent_log_odds_error_is_caught(
+    grad_reference: GradReference, gradref_device: torch.device
+) -> None:
     case = (orpo_reference, fused_linear_orpo, SHAPES[1], torch.float32)
     ref, loss, grad_x, head, aux = run_heads(grad_reference, gradref_device, *case)
     aux["log_odds_chosen"] = aux["log_odds_chosen"] * 1.01

@@ -8,11 +8,11 @@ import torch
 from preference_utils import DEVICE
 
 
-def test_the_probe_found_the_plugins_device(gradref_device):
+def test_the_probe_found_the_plugins_device(gradref_device: torch.device) -> None:
     assert gradref_device.type == DEVICE
 
 
-def test_the_suite_seeds_every_test(gradref_device):
+def test_the_suite_seeds_every_test(gradref_device: torch.device) -> None:
     assert torch.initial_seed() == 42
     # The device's generator too: the same draw as straight after seeding it.
     drawn = torch.randn(4, device=gradref_device)
