@@ -21,7 +21,6 @@ ceil(size / ranks), the last ones shorter or empty.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Union
@@ -30,14 +29,13 @@ import torch
 
 from pytest_gradref.reference.differentiation import Result
 from pytest_gradref.reference.grad_reference import GradReference
-from pytest_gradref.reference.result import Reference
+from pytest_gradref.reference.result import Reference, parameter_label
 
 # Which gradients are sharded: an argument by position (as in argnums) or name, or a module's
 # parameter by name, mapped to a dimension, None (replicated), or a DTensor placement
 # (Shard(dim), Replicate()).
 ShardSpec = Mapping[Union[int, str], Any]
 
-_ARGUMENT_LABEL = re.compile(r"gradient of argument (\d+)(?: \((.+)\))?$")
 _SPEC_HELP = (
     "shards= maps an argument (its position in args, as in argnums, or its name) or a "
     "module's parameter (its name) to the dimension it is sharded along, None (replicated), "
@@ -90,32 +88,31 @@ def resolve_shards(spec: ShardSpec, reference: Reference, rank: int, world_size:
     __tracebackhide__ = True
     if not isinstance(spec, Mapping):
         raise TypeError(f"{_SPEC_HELP}; got {spec!r}")
+    arguments = reference.grad_arguments
     labels = reference.grad_labels
     grads = _arg_grads(reference)
-    named = [_ARGUMENT_LABEL.match(label) for label in labels]
     args: list[Cut | None] = [None] * len(labels)
     params: dict[str, Cut] = {}
     seen: dict[str, object] = {}
     for key, value in spec.items():
         positions = [
             i
-            for i, match in enumerate(named)
-            if match is not None
-            and (
-                (isinstance(key, int) and not isinstance(key, bool) and int(match[1]) == key)
-                or (isinstance(key, str) and match[2] == key)
-            )
+            for i, argument in enumerate(arguments)
+            if (isinstance(key, int) and not isinstance(key, bool) and argument.position == key)
+            or (isinstance(key, str) and argument.name == key)
         ]
         is_param = isinstance(key, str) and key in reference.param_grads
         if len(positions) + is_param != 1:
-            valid = [f"{m[1]} or {m[2]!r}" if m[2] else m[1] for m in named if m is not None]
+            valid = [
+                f"{a.position} or {a.name!r}" if a.name else str(a.position) for a in arguments
+            ]
             valid += [repr(name) for name in reference.param_grads]
             why = "names two gradients" if positions and is_param else "names no gradient"
             raise ValueError(
                 f"shards={{{key!r}: ...}} {why} of this reference; its gradients are "
                 f"{', '.join(valid) or 'none'}. {_SPEC_HELP}"
             )
-        label = f"gradient of parameter {key!r}" if is_param else labels[positions[0]]
+        label = parameter_label(str(key)) if is_param else labels[positions[0]]
         if label in seen:
             raise ValueError(f"shards= names the {label} twice ({seen[label]!r} and {key!r})")
         seen[label] = key
@@ -267,7 +264,7 @@ class ShardedReference(Reference):
                 param_grads = {n: p.grad for n, p in param_grads.named_parameters()}
             actual_params = {}
             for name, grad in dict(param_grads).items():
-                label = f"gradient of parameter {name!r}"
+                label = parameter_label(name)
                 local, cut = _local(grad, param_cuts.get(name), label, gather)
                 if cut is None:
                     param_cuts.pop(name, None)
@@ -296,8 +293,8 @@ class ShardedReference(Reference):
                 continue
             dim = _shard_dim(full.shape, actual.shape, self.rank, self.world_size)
             if dim is not None:
-                match = _ARGUMENT_LABEL.match(label)
-                key = repr(match[2]) if match is not None and match[2] else str(position)
+                name = self.grad_arguments[position].name
+                key = repr(name) if name else str(self.grad_arguments[position].position)
                 raise ValueError(
                     f"assert_close(): the {label} has shape {tuple(actual.shape)} on rank "
                     f"{self.rank}, rank {self.rank}'s shard along dim {dim} of the full "

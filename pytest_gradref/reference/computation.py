@@ -40,7 +40,7 @@ from pytest_gradref.reference.golden import (
     value_condition,
 )
 from pytest_gradref.reference.recording import Disagreement, Recording
-from pytest_gradref.reference.result import Reference
+from pytest_gradref.reference.result import GradientArgument, Reference, parameter_label
 from pytest_gradref.reference.spread import Spread
 from pytest_gradref.verdict.compare import ItemCheck, ToleranceItem, check_items
 from pytest_gradref.verdict.dtypes import ComputeDtype, epsilon, is_inexact
@@ -135,7 +135,7 @@ def compute_reference(
             "function): drop cotangent=, or name the inputs to differentiate in argnums"
         )
     signature_source = fn.forward if isinstance(fn, torch.nn.Module) else fn
-    labels = _argument_labels(signature_source, len(args), positions)
+    arguments = _gradient_arguments(signature_source, len(args), positions)
     compute = _compute_dtype(
         signature_source, args, kwargs, fn if isinstance(fn, torch.nn.Module) else None
     )
@@ -159,6 +159,7 @@ def compute_reference(
     if strategy == "crosscheck":
         other_strategy = next(s for s in STRATEGIES if s != primary)
         other = STRATEGY_FUNCTIONS[other_strategy](problem)
+        labels = [argument.label for argument in arguments]
         crosscheck = _crosscheck(result, other, labels, policy, compute, primary, other_strategy)
     if recording is not None:
         recording.add_reference(primary, crosscheck or ())
@@ -203,7 +204,8 @@ def compute_reference(
         backend=policy.backend,
         crosscheck=crosscheck,
         golden=golden_result,
-        grad_labels=tuple(labels),
+        grad_arguments=arguments,
+        grad_labels=tuple(argument.label for argument in arguments),
         policy=policy,
         compute=compute,
         rounded=rounded_result,
@@ -295,17 +297,15 @@ def normalize_argnums(
     return tuple(normalized)
 
 
-def _argument_labels(fn: Callable[..., Any], count: int, argnums: tuple[int, ...]) -> list[str]:
-    """'gradient of argument 1 (weight)', naming parameters where the signature allows."""
+def _gradient_arguments(
+    fn: Callable[..., Any], count: int, argnums: tuple[int, ...]
+) -> tuple[GradientArgument, ...]:
+    """Each differentiated argument, named where the signature allows."""
     names: list[str | None] = [None] * count
     positional = _positional_names(fn)
     for i in range(min(count, len(positional))):
         names[i] = positional[i]
-    labels = []
-    for i in argnums:
-        suffix = f" ({names[i]})" if names[i] else ""
-        labels.append(f"gradient of argument {i}{suffix}")
-    return labels
+    return tuple(GradientArgument(i, names[i]) for i in argnums)
 
 
 def _positional_names(fn: Callable[..., Any]) -> list[str]:
@@ -370,11 +370,11 @@ def _compute_dtype(
 
     nested = {i: tensors(arg) for i, arg in enumerate(args)}
     positions = tuple(i for i, found in nested.items() if found)
-    labels = _argument_labels(signature_source, len(args), positions)
+    arguments = _gradient_arguments(signature_source, len(args), positions)
     candidates = [
-        (label.removeprefix("gradient of "), tensor)
-        for label, i in zip(labels, positions)
-        for tensor in nested[i]
+        (argument.label.removeprefix("gradient of "), tensor)
+        for argument in arguments
+        for tensor in nested[argument.position]
     ]
     candidates += [
         (f"keyword argument {name!r}", tensor)
@@ -424,7 +424,7 @@ def _crosscheck(
     ]
     found += map(item, labels, result.arg_grads, other.arg_grads)
     found += [
-        item(f"gradient of parameter {name!r}", grad, other.param_grads[name])
+        item(parameter_label(name), grad, other.param_grads[name])
         for name, grad in result.param_grads.items()
     ]
     if result.aux is not None or other.aux is not None:

@@ -61,6 +61,21 @@ def _skip_without_golden(golden_off: str) -> None:
     )
 
 
+@dataclass(frozen=True)
+class GradientArgument:
+    """A differentiated argument: its position in the call, as argnums counts it, and its
+    name where the function's signature gives one. Its gradient's item label is made from
+    it, never parsed back."""
+
+    position: int
+    name: str | None
+
+    @property
+    def label(self) -> str:
+        suffix = f" ({self.name})" if self.name else ""
+        return f"gradient of argument {self.position}{suffix}"
+
+
 @dataclass(frozen=True, eq=False)
 class Reference:
     """A reference value (a scalar loss, or a tensor output) and its gradients.
@@ -97,6 +112,9 @@ class Reference:
     backend: str
     crosscheck: tuple[Disagreement, ...] | None
     golden: Golden | None
+    # What each gradient in ``grads`` is the gradient of, and its item's label (the argument's
+    # label, with the slice where a rank holds one).
+    grad_arguments: tuple[GradientArgument, ...]
     grad_labels: tuple[str, ...]
     policy: CheckPolicy
     compute: ComputeDtype | None = None
@@ -302,7 +320,7 @@ class Reference:
     def _warn_of_zero_gradients(self, checks: Sequence[ItemCheck]) -> None:
         """A ZeroGradientWarning for each gradient whose scale, read with the checks, is 0:
         the golden's (or, without one, the reference's) greatest magnitude."""
-        gradients = {*self.grad_labels, *(_param_label(name) for name in self.param_grads)}
+        gradients = {*self.grad_labels, *(parameter_label(name) for name in self.param_grads)}
         for check in checks:
             if check.label in gradients and check.scale == 0 and check.numel > 0:
                 warnings.warn(
@@ -320,7 +338,7 @@ class Reference:
     def _run_items(self, run: Result) -> dict[str, torch.Tensor]:
         """A run of the golden computation (a rounding spread's), item by item, by label."""
         found = {**dict(value_items(run.value)), **dict(zip(self.grad_labels, run.arg_grads))}
-        found.update((_param_label(name), grad) for name, grad in run.param_grads.items())
+        found.update((parameter_label(name), grad) for name, grad in run.param_grads.items())
         if self.aux is not None:
             for leaf in pair_aux(run.aux, self.aux, None):
                 tensor = leaf_tensor(leaf.actual, None)
@@ -508,7 +526,7 @@ class Reference:
             for name, expected in self.param_grads.items():
                 golden_grad = golden.param_grads[name] if golden else None
                 rounded_grad = rounded.param_grads[name] if rounded else None
-                label = _param_label(name)
+                label = parameter_label(name)
                 items.append(
                     (label, param_grads[name], expected, golden_grad, rounded_grad, _no_grad(name))
                 )
@@ -533,7 +551,8 @@ def _aux_tolerance(
     return None
 
 
-def _param_label(name: str) -> str:
+def parameter_label(name: str) -> str:
+    """A module parameter's gradient item: "gradient of parameter 'weight'"."""
     return f"gradient of parameter {name!r}"
 
 

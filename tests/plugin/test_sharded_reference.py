@@ -101,6 +101,17 @@ def test_a_forgotten_shard_spec_says_how_to_give_it() -> None:
         ref.assert_close(value, (gx, gw))
 
 
+def test_an_unnamed_argument_is_suggested_by_its_argnums_position() -> None:
+    # Only w (position 1) is differentiated, and the function's signature names nothing: the
+    # suggestion is the argument's position in the call, not its place among the gradients.
+    x, w = _inputs()
+    _, _, gw = _local_grads(x, w.chunk(2)[1])
+    value = loss(x, w)
+    ref = _rank(1)(lambda *tensors: loss(*tensors), x, w, argnums=1)
+    with pytest.raises(ValueError, match=r"grad_reference\(\.\.\., shards=\{1: 0\}\)"):
+        ref.assert_close(value, gw)
+
+
 @pytest.mark.parametrize(
     ("shards", "message"),
     [
