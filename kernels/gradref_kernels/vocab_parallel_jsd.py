@@ -46,12 +46,9 @@ gradient in the matmul dtype where the device multiplies it into float32 (CUDA);
 input-gradient product runs on a float32 copy of the local weight, made once per call. The
 input gradient's share is a float32 ``(N, H)`` buffer.
 
-At one rank on an H200 (S1: N 8192, Hs 2048, Ht 4096, V 128256, bf16, median of 10) a
-forward and backward took 83.1 ms and 2.76 GiB at peak against 71.7 ms and 2.24 GiB for the
-unsharded portable path (39.3 ms, 2.00 GiB on its Triton path), and all-reduced 2.01 times the
-bf16 input gradient, in 27 all-reduces (``benchmarks/bench_vocab_parallel.py --ranks 1``;
-``benchmarks/results/h200/vocab_parallel_w1_s1.txt``). Each of W ranks holds about 1/W of
-the vocabulary's work; W = 2 on NCCL is measured by the same script where two GPUs are lent.
+Its time, peak memory and all-reduced bytes at one rank, beside the unsharded paths', are
+``benchmarks/bench_vocab_parallel.py``'s (``benchmarks/results/h200/vocab_parallel_w1_s1.txt``).
+Each of W ranks holds about 1/W of the vocabulary's work.
 
 Under ``torch.compile`` the chunk loop (collectives included) is one custom operator,
 ``gradref_kernels::vocab_parallel_forward``, and backward's all-reduce and rounding of the

@@ -252,7 +252,7 @@ class RankHooks:
     def _run(self, item: pytest.Function, devices: tuple[str, ...], timeout: _Timeout) -> None:
         """Run the test in its ranks, record what they checked, and end it as they did."""
         # The rank processes' modules are on-demand: a run without multi-rank tests never
-        # loads them (they cost a plain session about 10 ms at configure).
+        # loads them (they would add to every plain session's configure time).
         from pytest_gradref.ranks.processes import RankPool
         from pytest_gradref.ranks.worker import PoolSpec
 

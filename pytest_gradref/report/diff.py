@@ -249,13 +249,15 @@ class ItemDiff:
     # after / before with both raised to its noise floor; NaN where an error is NaN.
     ratio: float
     noise_floor: float  # the greatest error below which a change counts as noise
-    # The normwise relative errors (NaN where a report has none) and whether the ratio is
-    # theirs.
+    # What each run left of its budget or tolerance (the report's headroom), and whether the
+    # item passed there.
     headroom_before: float
     headroom_after: float
     passed_before: bool
     passed_after: bool
     regression: str  # why it is one ("" if it is not)
+    # The normwise relative errors (NaN where a report has none) and whether the ratio is
+    # theirs.
     norm_before: float = math.nan
     norm_after: float = math.nan
     normwise: bool = False
