@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pytest_gradref.ranks import worker
-from pytest_gradref.ranks.worker import STACK_SIGNAL, PoolSpec, RankMessage, Task, rank_main
+from pytest_gradref.ranks.worker import (
+    STACK_SIGNAL,
+    PoolSpec,
+    RankMessage,
+    RankWarning,
+    Task,
+    rank_main,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -70,6 +77,7 @@ class RankResult:
     recording: Recording | None = None
     order: int = 0  # in which order outcomes arrived: the first failure is the likely cause
     phase: str = "test"  # start: joining the group; test; barrier: the end-of-test barrier
+    warnings: tuple[RankWarning, ...] = ()  # what the rank's test warned of
 
 
 class RankPool:
@@ -184,6 +192,7 @@ class RankPool:
             summary=message.summary,
             recording=message.recording,
             order=self._order,
+            warnings=message.warnings,
             phase=phase,
         )
 

@@ -284,6 +284,7 @@ class RankHooks:
         recording = item.stash.get(recording_key, None)
         if recording is not None:
             merge_recordings(recording, results)
+        warn_again(results)
         conclude(results, spec, timeout.seconds, timeout.source)
 
     def _task(self, item: pytest.Function, timeout: float) -> Task:
@@ -308,6 +309,13 @@ class RankHooks:
             rewrite=self.config.getoption("assertmode", "rewrite") == "rewrite",
             tbstyle=str(self.config.getoption("tbstyle", "auto")),
             showlocals=bool(self.config.getoption("showlocals", False)),
+            ini_warning_filters=tuple(self.config.getini("filterwarnings")),
+            cmdline_warning_filters=tuple(self.config.known_args_namespace.pythonwarnings or ()),
+            mark_warning_filters=tuple(
+                str(argument)
+                for mark in item.iter_markers(name="filterwarnings")
+                for argument in mark.args
+            ),
         )
 
     def _close(self, spec: PoolSpec) -> None:
@@ -384,6 +392,23 @@ def merge_recordings(target: Recording, results: Sequence[RankResult]) -> None:
         target.golden_shortfall = target.golden_shortfall or recording.golden_shortfall
         if target.torch_seed is None:
             target.torch_seed, target.reseeded = recording.torch_seed, recording.reseeded
+
+
+def warn_again(results: Sequence[RankResult]) -> None:
+    """Raise each rank's warnings again in the test, named by rank ("rank 1: ..."), where
+    pytest records them for its warnings summary."""
+    import pickle  # on demand, as in _pickled_backend
+    import warnings
+
+    for result in sorted(results, key=lambda r: r.rank):
+        for warning in result.warnings:
+            category = pickle.loads(warning.category)
+            warnings.warn_explicit(
+                f"rank {result.rank}: {warning.message}",
+                category,
+                warning.filename,
+                warning.lineno,
+            )
 
 
 # Outcomes that fail the test.

@@ -24,6 +24,7 @@ import pickle
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from importlib.machinery import SourceFileLoader
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -111,6 +112,21 @@ class Task:
     rewrite: bool  # rewrite the module's asserts (pytest's assert mode is rewrite)
     tbstyle: str
     showlocals: bool
+    # The warning filters pytest applies around the test in the controller, in its order (a
+    # later filter wins): the ini's filterwarnings, -W, the test's filterwarnings marks.
+    ini_warning_filters: tuple[str, ...] = ()
+    cmdline_warning_filters: tuple[str, ...] = ()
+    mark_warning_filters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankWarning:
+    """A warning a rank's test raised, for the controller to raise again in the test."""
+
+    category: bytes  # the warning's class, pickled (a test module's own class included)
+    message: str
+    filename: str
+    lineno: int
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,7 @@ class RankMessage:
     summary: str = ""  # the exception's type, for the test's one-line summary
     brief: str = ""  # the failure's traceback in --tb=short style
     recording: Recording | None = None
+    warnings: tuple[RankWarning, ...] = ()
 
 
 def rank_main(
@@ -245,37 +262,72 @@ def _run(task: Task, context: RankContext, backend: Backend, stack: IO[str]) -> 
     faulthandler.dump_traceback_later(task.timeout * 2 + 60, exit=True, file=stack)
     function = None
     recording = None
+    caught: list[warnings.WarningMessage] = []
+    status: Status
     try:
-        function = _test_function(task)
-        kwargs = pickle.loads(task.fixtures)
-        reference = kwargs.get("grad_reference")
-        if reference is not None:
-            from pytest_gradref.ranks.sharding import RankGradReference
+        with warnings.catch_warnings(record=True) as caught:
+            _apply_warning_filters(task)
+            function = _test_function(task)
+            kwargs = pickle.loads(task.fixtures)
+            reference = kwargs.get("grad_reference")
+            if reference is not None:
+                from pytest_gradref.ranks.sharding import RankGradReference
 
-            recording = reference.recording
-            kwargs["grad_reference"] = RankGradReference.for_rank(
-                reference, context.rank, context.world_size
-            )
-        per_rank = {
-            "gradref_rank": context,
-            "gradref_device": context.device,
-            "gradref_backend": backend,
-        }
-        kwargs.update((name, per_rank[name]) for name in task.per_rank)
-        if task.seed is not None:
-            # The same seed on every rank: each draws the same full tensors, and slices them.
-            backend.seed(task.seed)
-        function(**kwargs)
+                recording = reference.recording
+                kwargs["grad_reference"] = RankGradReference.for_rank(
+                    reference, context.rank, context.world_size
+                )
+            per_rank = {
+                "gradref_rank": context,
+                "gradref_device": context.device,
+                "gradref_backend": backend,
+            }
+            kwargs.update((name, per_rank[name]) for name in task.per_rank)
+            if task.seed is not None:
+                # The same seed on every rank: each draws the same full tensors, and slices
+                # them.
+                backend.seed(task.seed)
+            function(**kwargs)
     except pytest.skip.Exception as skip:
-        return RankMessage(context.rank, "skipped", skip.msg or "", recording=_portable(recording))
+        status, text, summary, brief = "skipped", skip.msg or "", "", ""
     except pytest.xfail.Exception as xfail:
-        return RankMessage(context.rank, "xfailed", xfail.msg or "", recording=_portable(recording))
+        status, text, summary, brief = "xfailed", xfail.msg or "", "", ""
     except BaseException as error:
         text, brief = _describe(error, function, task)
-        return RankMessage(context.rank, "failed", text, _name(error), brief, _portable(recording))
+        status, summary = "failed", _name(error)
+    else:
+        status, text, summary, brief = "passed", "", "", ""
     finally:
         faulthandler.cancel_dump_traceback_later()
-    return RankMessage(context.rank, "passed", recording=_portable(recording))
+    return RankMessage(
+        context.rank,
+        status,
+        text,
+        summary,
+        brief,
+        _portable(recording),
+        tuple(_rank_warning(message) for message in caught),
+    )
+
+
+def _apply_warning_filters(task: Task) -> None:
+    """The controller's warning filters, as pytest applies them around a test: so that -W
+    error makes a rank's warning that rank's failure, and an ignored one stays ignored."""
+    from _pytest.config import apply_warning_filters, parse_warning_filter
+
+    warnings.filterwarnings("always", category=DeprecationWarning)
+    warnings.filterwarnings("always", category=PendingDeprecationWarning)
+    apply_warning_filters(task.ini_warning_filters, task.cmdline_warning_filters)
+    for argument in task.mark_warning_filters:
+        warnings.filterwarnings(*parse_warning_filter(argument, escape=False))
+
+
+def _rank_warning(message: warnings.WarningMessage) -> RankWarning:
+    try:
+        category = pickle.dumps(message.category)
+    except Exception:  # a class defined where the controller cannot import it
+        category = pickle.dumps(UserWarning)
+    return RankWarning(category, str(message.message), message.filename, message.lineno)
 
 
 # The test modules a rank imported, by path: a rank runs each module's tests in one import.

@@ -409,3 +409,52 @@ def test_b3(gradref_rank):
     # kept, each test in a pool of its own.
     processes = 1 if max_pools > 1 else 2
     assert all(len(found) == processes for found in pids.values()), pids
+
+
+RANK_WARNINGS = """
+import warnings
+
+import pytest
+
+
+class KernelWarning(UserWarning):
+    pass
+
+
+@pytest.mark.gradref_ranks(2)
+def test_warns(gradref_rank):
+    warnings.warn(f"slow path taken on rank {gradref_rank.rank}", KernelWarning)
+
+
+@pytest.mark.filterwarnings("ignore:left out by the marker")
+@pytest.mark.gradref_ranks(2)
+def test_warns_what_its_marker_ignores(gradref_rank):
+    warnings.warn("left out by the marker")
+"""
+
+
+@pytest.mark.parametrize("error", [False, True], ids=["summary", "W-error"])
+def test_a_ranks_warnings_reach_the_summary_or_fail_it_under_w_error(
+    pytester: pytest.Pytester, error: bool
+) -> None:
+    pytester.makepyfile(test_rank_warnings=RANK_WARNINGS)
+    args = ["-p", "no:randomly", "--gradref-device=cpu"]
+    result = pytester.runpytest(*args, *(("-W", "error::UserWarning") if error else ()))
+    if not error:
+        # Each rank's warning, with its class and the rank that raised it, in the summary.
+        result.assert_outcomes(passed=2, warnings=2)
+        result.stdout.fnmatch_lines(
+            [
+                "*= warnings summary =*",
+                "test_rank_warnings.py::test_warns",
+                "*test_rank_warnings.py:*: KernelWarning: rank 0: slow path taken on rank 0",
+                "*test_rank_warnings.py:*: KernelWarning: rank 1: slow path taken on rank 1",
+            ]
+        )
+    else:
+        # -W error makes the warning each rank's failure; the marker's filter still wins.
+        result.assert_outcomes(passed=1, failed=1)
+        result.stdout.fnmatch_lines(
+            ["gradref_ranks(2) on cpu (gloo): rank ? failed (KernelWarning); rank ? failed *"]
+        )
+    result.stdout.no_fnmatch_line("*left out by the marker*")
