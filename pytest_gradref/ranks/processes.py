@@ -78,6 +78,8 @@ class RankResult:
     order: int = 0  # in which order outcomes arrived: the first failure is the likely cause
     phase: str = "test"  # start: joining the group; test; barrier: the end-of-test barrier
     warnings: tuple[RankWarning, ...] = ()  # what the rank's test warned of
+    stdout: str = ""  # what the rank's test wrote
+    stderr: str = ""
 
 
 class RankPool:
@@ -193,6 +195,8 @@ class RankPool:
             recording=message.recording,
             order=self._order,
             warnings=message.warnings,
+            stdout=message.stdout,
+            stderr=message.stderr,
             phase=phase,
         )
 

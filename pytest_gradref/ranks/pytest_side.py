@@ -285,6 +285,12 @@ class RankHooks:
         if recording is not None:
             merge_recordings(recording, results)
         warn_again(results)
+        for result in sorted(results, key=lambda r: r.rank):
+            # Shown as pytest shows a test's captured output: on failure, or with -rP.
+            for stream in ("stdout", "stderr"):
+                text = getattr(result, stream)
+                if text:
+                    item.add_report_section("call", f"{stream} rank {result.rank}", text)
         conclude(results, spec, timeout.seconds, timeout.source)
 
     def _task(self, item: pytest.Function, timeout: float) -> Task:

@@ -25,6 +25,7 @@ import signal
 import sys
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from importlib.machinery import SourceFileLoader
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -140,6 +141,8 @@ class RankMessage:
     brief: str = ""  # the failure's traceback in --tb=short style
     recording: Recording | None = None
     warnings: tuple[RankWarning, ...] = ()
+    stdout: str = ""  # what the test wrote, natively or from Python
+    stderr: str = ""
 
 
 def rank_main(
@@ -174,7 +177,9 @@ def rank_main(
             break
         stack.seek(0)
         stack.truncate()
-        message = _run(task, context, backend, stack)
+        with _captured_output(stack_dir, rank) as output:
+            message = _run(task, context, backend, stack)
+        message = replace(message, stdout=output[0], stderr=output[1])
         _send(connection, message)
         if message.status != "passed":
             # The controller ends the pool after a test that did not pass. Leaving now closes
@@ -308,6 +313,35 @@ def _run(task: Task, context: RankContext, backend: Backend, stack: IO[str]) -> 
         _portable(recording),
         tuple(_rank_warning(message) for message in caught),
     )
+
+
+@contextlib.contextmanager
+def _captured_output(directory: str, rank: int) -> Iterator[list[str]]:
+    """The test's stdout and stderr, in that order once the block ends: file descriptors 1
+    and 2 go to files of this rank's for the test's span, so native writes (a kernel's, a
+    collective library's) are kept with Python's. The controller shows them by rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    texts: list[str] = []
+    saved = [os.dup(1), os.dup(2)]
+    files = [
+        open(os.path.join(directory, f"rank-{rank}.{name}"), "w+b")  # noqa: SIM115 (closed below)
+        for name in ("stdout", "stderr")
+    ]
+    try:
+        os.dup2(files[0].fileno(), 1)
+        os.dup2(files[1].fileno(), 2)
+        yield texts
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, original in zip((1, 2), saved):
+            os.dup2(original, fd)
+            os.close(original)
+        for file in files:
+            file.seek(0)
+            texts.append(file.read().decode(errors="replace"))
+            file.close()
 
 
 def _apply_warning_filters(task: Task) -> None:

@@ -458,3 +458,39 @@ def test_a_ranks_warnings_reach_the_summary_or_fail_it_under_w_error(
             ["gradref_ranks(2) on cpu (gloo): rank ? failed (KernelWarning); rank ? failed *"]
         )
     result.stdout.no_fnmatch_line("*left out by the marker*")
+
+
+RANK_OUTPUT = """
+import os
+import sys
+
+import pytest
+
+
+@pytest.mark.gradref_ranks(2)
+def test_prints_then_fails_on_rank_1(gradref_rank):
+    print(f"python stdout of rank {gradref_rank.rank}")
+    os.write(2, f"native stderr of rank {gradref_rank.rank}\\n".encode())
+    sys.stderr.flush()
+    assert gradref_rank.rank == 0
+"""
+
+
+def test_a_failed_tests_output_is_shown_rank_by_rank(pytester: pytest.Pytester) -> None:
+    # What each rank wrote, from Python or through its file descriptors, in a section of its
+    # own: interleaved in one stream, the ranks' lines could not be told apart.
+    pytester.makepyfile(test_rank_output=RANK_OUTPUT)
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*- Captured stdout rank 0 call -*",
+            "python stdout of rank 0",
+            "*- Captured stderr rank 0 call -*",
+            "native stderr of rank 0",
+            "*- Captured stdout rank 1 call -*",
+            "python stdout of rank 1",
+            "*- Captured stderr rank 1 call -*",
+            "native stderr of rank 1",
+        ]
+    )
