@@ -150,8 +150,11 @@ def grpo_inputs(
     weight = draw(gen, vocab, hidden, device=device, dtype=dtype, scale=3 / hidden**0.5)
     target = torch.randint(0, vocab, (sequences, tokens), generator=gen).to(device)
     # A reference policy a little off the policy: log-probabilities near -8, a KL near 0.
+    # Computed in float64 and rounded: in the inputs' dtype the product's bytes would follow
+    # the host's matmul (AVX2 and AVX-512 BF16 round it differently), and the inputs would not
+    # match the precision baseline's on another host.
     with torch.no_grad():
-        logps = _token_logps((x @ weight.T).float(), target)
+        logps = _token_logps(x.double() @ weight.double().T, target).float()
     ref_logps = logps + 0.05 * torch.randn(logps.shape, generator=gen).to(device)
     advantages = torch.randn(sequences, generator=gen).to(device)
     return x, weight, target, ref_logps, advantages
