@@ -16,45 +16,91 @@ from pytest_gradref.config.number_settings import number_problem
 from pytest_gradref.config.strategies import STRATEGY_CHOICES, StrategyChoice
 from pytest_gradref.config.tolerances import AuxKey, Tolerance, ToleranceOverride
 
-MARKER_LINES = (
-    "gradref_xfail(*devices, reason, raises=None, strict=xfail_strict): expect the test to "
-    "fail when the active gradref backend is one of devices; strict defaults to the "
-    "xfail_strict ini option, as for pytest.mark.xfail.",
-    "gradref_skip(*devices, reason): skip the test when the active gradref backend is one "
-    "of devices.",
-    "gradref_only(*devices, reason=None): run the test only when the active gradref backend "
-    "is one of devices.",
-    "gradref(strategy=None, rtol=None, atol=None, golden=None, budget=None, rounded=False, "
-    "check_dtype=True, aux_tolerances=None): per-test reference strategy, tolerance overrides, "
-    "golden dtype, error budget, whether the budget also counts from the reference rounded to "
-    "the compute dtype at every step, whether a result less precise than its reference fails "
-    "on its dtype, and tolerances of aux items by top-level key or label (as assert_close's).",
-    "gradref_ranks(world_size, timeout=None): run the test's body in world_size processes on "
-    "torch.distributed, one rank each (the gradref_rank fixture says which), with the gradref "
-    "backend's collective library (gloo on the CPU, NCCL on cuda, HCCL on npu); timeout, in "
-    "seconds, overrides --gradref-rank-timeout for this test.",
+
+@dataclass(frozen=True)
+class MarkerSpec:
+    """One gradref marker: its positional arguments, its keywords with their defaults (as
+    the registration line shows them) and what it does. The registration line and the
+    keyword check are both made from it."""
+
+    name: str
+    positional: tuple[str, ...]
+    keywords: tuple[tuple[str, str | None], ...]  # (keyword, its default as shown; None: required)
+    help: str
+
+    @property
+    def keyword_names(self) -> tuple[str, ...]:
+        return tuple(keyword for keyword, _ in self.keywords)
+
+    @property
+    def line(self) -> str:
+        """The line pytest registers (``--markers`` shows it)."""
+        keywords = (k if default is None else f"{k}={default}" for k, default in self.keywords)
+        return f"{self.name}({', '.join((*self.positional, *keywords))}): {self.help}"
+
+
+MARKER_SPECS = (
+    MarkerSpec(
+        "gradref_xfail",
+        ("*devices",),
+        (("reason", None), ("raises", "None"), ("strict", "xfail_strict")),
+        "expect the test to fail when the active gradref backend is one of devices; strict "
+        "defaults to the xfail_strict ini option, as for pytest.mark.xfail.",
+    ),
+    MarkerSpec(
+        "gradref_skip",
+        ("*devices",),
+        (("reason", None),),
+        "skip the test when the active gradref backend is one of devices.",
+    ),
+    MarkerSpec(
+        "gradref_only",
+        ("*devices",),
+        (("reason", "None"),),
+        "run the test only when the active gradref backend is one of devices.",
+    ),
+    MarkerSpec(
+        "gradref",
+        (),
+        (
+            ("strategy", "None"),
+            ("rtol", "None"),
+            ("atol", "None"),
+            ("golden", "None"),
+            ("budget", "None"),
+            ("rounded", "False"),
+            ("check_dtype", "True"),
+            ("aux_tolerances", "None"),
+        ),
+        "per-test reference strategy, tolerance overrides, golden dtype, error budget, whether "
+        "the budget also counts from the reference rounded to the compute dtype at every step, "
+        "whether a result less precise than its reference fails on its dtype, and tolerances "
+        "of aux items by top-level key or label (as assert_close's).",
+    ),
+    MarkerSpec(
+        "gradref_ranks",
+        ("world_size",),
+        (("timeout", "None"),),
+        "run the test's body in world_size processes on torch.distributed, one rank each (the "
+        "gradref_rank fixture says which), with the gradref backend's collective library (gloo "
+        "on the CPU, NCCL on cuda, HCCL on npu); timeout, in seconds, overrides "
+        "--gradref-rank-timeout for this test.",
+    ),
 )
+MARKERS = {spec.name: spec for spec in MARKER_SPECS}
+MARKER_LINES = tuple(spec.line for spec in MARKER_SPECS)
 DEVICE_MARKERS = ("gradref_xfail", "gradref_skip", "gradref_only")
 # Read by ranks/pytest_side.py, which runs such a test's body in its rank processes.
 RANKS_MARKER = "gradref_ranks"
-ALL_MARKERS = (*DEVICE_MARKERS, "gradref", RANKS_MARKER)
+ALL_MARKERS = tuple(MARKERS)
 
-_KEYWORDS: dict[str, tuple[str, ...]] = {
-    "gradref_xfail": ("reason", "raises", "strict"),
-    "gradref_skip": ("reason",),
-    "gradref_only": ("reason",),
-    "gradref": (
-        "strategy",
-        "rtol",
-        "atol",
-        "golden",
-        "budget",
-        "rounded",
-        "check_dtype",
-        "aux_tolerances",
-    ),
+_KEYWORDS: dict[str, tuple[str, ...]] = {name: spec.keyword_names for name, spec in MARKERS.items()}
+# The keywords a marker cannot do without (those shown without a default).
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    name: required
+    for name, spec in MARKERS.items()
+    if (required := tuple(k for k, default in spec.keywords if default is None))
 }
-_REQUIRED: dict[str, tuple[str, ...]] = {"gradref_xfail": ("reason",), "gradref_skip": ("reason",)}
 
 
 class MarkerError(Exception):

@@ -29,6 +29,11 @@ WORKER_DEVICE_KEY = "gradref_device"
 WORKER_SETUP_KEY = "gradref_setup"
 
 
+def worker_number(workerid: str) -> int:
+    """An xdist worker's number, from its id: gw3 is 3."""
+    return int(workerid.removeprefix("gw"))
+
+
 def assign_devices(
     backend_name: str, device_count: int, worker_count: int, pinned_index: int | None
 ) -> list[str]:
@@ -78,7 +83,7 @@ class XdistHooks:
             pinned,
         )
         workerid: str = node.workerinput["workerid"]
-        number = int(workerid.removeprefix("gw"))
+        number = worker_number(workerid)
         node.workerinput[WORKER_DEVICE_KEY] = mapping[number % len(mapping)]
 
     @pytest.hookimpl
@@ -107,7 +112,7 @@ class XdistHooks:
         # plain run says it after collection): the header line heads the workers instead.
         for line in header_once(terminalreporter.config):
             terminalreporter.write_line(line)
-        for workerid in sorted(self.workers, key=lambda w: int(w.removeprefix("gw"))):
+        for workerid in sorted(self.workers, key=worker_number):
             info = self.workers[workerid]
             physical = f", physical {info['physical']}" if info.get("physical") else ""
             threads = f"; {info['threads']}" if info.get("threads") else ""

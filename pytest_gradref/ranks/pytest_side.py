@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import pytest
 
-from pytest_gradref.config.markers import RANKS_MARKER, MarkerError
+from pytest_gradref.config.markers import MARKERS, RANKS_MARKER, MarkerError
 from pytest_gradref.config.number_settings import number_problem
 from pytest_gradref.config.settings import RANK_TIMEOUT_OPTION, seed_for_test
 from pytest_gradref.config.state import recording_key
 from pytest_gradref.devices.backends import builtin_backend
+from pytest_gradref.devices.xdist import worker_number
 
 if TYPE_CHECKING:
     from pytest_gradref.config.resolution import Resolution
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from pytest_gradref.ranks.worker import PoolSpec, RankContext, Task
     from pytest_gradref.reference.recording import Recording
 
-_KEYWORDS = ("timeout",)
+_KEYWORDS = MARKERS[RANKS_MARKER].keyword_names
 # Pools kept alive at once: each holds its ranks' processes (and, on a GPU, a context on each
 # of their devices); a suite rarely mixes more world sizes than this.
 MAX_POOLS = 4
@@ -240,7 +241,7 @@ class RankHooks:
         workerinput = getattr(self.config, "workerinput", None)
         worker = None
         if workerinput is not None:
-            worker = (int(workerinput["workerid"].removeprefix("gw")), workerinput["workercount"])
+            worker = (worker_number(workerinput["workerid"]), workerinput["workercount"])
         owned, owner = owned_devices(resolution.backend.device_count(), pinned, worker)
         return rank_devices(resolution, world_size, owned, owner)
 
