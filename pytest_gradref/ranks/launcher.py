@@ -49,7 +49,12 @@ RENDEZVOUS_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")
 launched_context_key = pytest.StashKey["RankContext"]()
 # The store's keys for one run of one test: a rerun (pytest-rerunfailures) gets fresh ones.
 _OUTCOME_PREFIX = "gradref/outcome"
+_outcome_key = pytest.StashKey[str]()
 _EXCHANGE_GRACE_S = 60.0
+# How long a rank may stay in a test after a peer failed it before it is ended as waiting for
+# that peer; and how often the watchdog looks.
+PEER_GRACE_S = 10.0
+_WATCH_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -252,18 +257,58 @@ class LauncherHooks(RankHooks):
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
-        """End this rank's process, printing its stack, where a marked test runs past the
-        rank timeout: its peers wait in a collective for it, or it for them."""
-        if launched_context_key not in item.stash:
+        """Watch a marked test's body: end this rank's process, printing its stack, where it
+        runs past the rank timeout, or goes on for PEER_GRACE_S after a peer failed (it then
+        waits in a collective the failed rank will never join)."""
+        context = item.stash.get(launched_context_key, None)
+        if context is None:
             return (yield)
+        run = self._runs[item.nodeid] = self._runs.get(item.nodeid, 0) + 1
+        key = item.stash[_outcome_key] = f"{_OUTCOME_PREFIX}/{item.nodeid}/{run}"
         seconds, source = self._timeout(item)
-        watchdog = threading.Timer(seconds, self._end_hung, (item.nodeid, seconds, source))
+        done = threading.Event()
+        watchdog = threading.Thread(
+            target=self._watch, args=(item.nodeid, key, context, seconds, source, done)
+        )
         watchdog.daemon = True
         watchdog.start()
         try:
             return (yield)
         finally:
-            watchdog.cancel()
+            done.set()
+            watchdog.join()
+
+    def _watch(
+        self,
+        nodeid: str,
+        key: str,
+        context: RankContext,
+        seconds: float,
+        source: str,
+        done: threading.Event,
+    ) -> None:
+        import time
+
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        peers = [f"{key}/{rank}" for rank in range(context.world_size) if rank != context.rank]
+        start = time.monotonic()
+        failed_at = None
+        while not done.wait(_WATCH_POLL_S):
+            now = time.monotonic()
+            if now - start > seconds:
+                self._end(f"{nodeid} ran past the rank timeout of {seconds:g} s (from {source})")
+            if failed_at is None:
+                for peer in peers:
+                    if store.check([peer]) and json.loads(store.get(peer))["outcome"] == "failed":
+                        failed_at, failed = now, peer.rsplit("/", 1)[1]
+                        break
+            elif now - failed_at > PEER_GRACE_S:
+                self._end(
+                    f"{nodeid}: rank {failed} failed, and this rank was still in the test "
+                    f"{PEER_GRACE_S:g} s later, most likely waiting for it in a collective"
+                )
 
     def _timeout(self, item: pytest.Item) -> tuple[float, str]:
         """A marked test's rank timeout and where it comes from."""
@@ -274,7 +319,9 @@ class LauncherHooks(RankHooks):
             return request.timeout, "its @pytest.mark.gradref_ranks(timeout=...)"
         return self.timeout.seconds, self.timeout.source
 
-    def _end_hung(self, nodeid: str, seconds: float, source: str) -> None:
+    def _end(self, why: str) -> None:
+        """End this rank's process, saying why and printing its stack: the launcher then
+        ends the job (torchrun with --max-restarts=0)."""
         # pytest captures the test's output into files this process's end would lose: give
         # the terminal back first.
         capture = self.config.pluginmanager.get_plugin("capturemanager")
@@ -282,8 +329,7 @@ class LauncherHooks(RankHooks):
             capture.suspend_global_capture(in_=False)
         stderr = sys.__stderr__ or sys.stderr
         print(
-            f"\n{self.launched.header()}: {nodeid} ran past the rank timeout of {seconds:g} s "
-            f"(from {source}); this rank's stack, then its process ends:",
+            f"\n{self.launched.header()}: {why}; this rank's stack, then its process ends:",
             file=stderr,
             flush=True,
         )
@@ -300,9 +346,8 @@ class LauncherHooks(RankHooks):
         context = item.stash.get(launched_context_key, None)
         if context is None or call.when != "call":
             return report
-        run = self._runs[item.nodeid] = self._runs.get(item.nodeid, 0) + 1
         mine = {"outcome": report.outcome, "text": _brief(report)}
-        key = f"{_OUTCOME_PREFIX}/{item.nodeid}/{run}"
+        key = item.stash[_outcome_key]
         # Longer than the rank timeout: a hung peer is ended by its own watchdog, which ends
         # the job, before this rank stops waiting for it and goes on to the next collective.
         outcomes = self._exchange(key, context, mine, self._timeout(item)[0] + _EXCHANGE_GRACE_S)

@@ -12,11 +12,17 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from pytest_gradref.ranks.launcher import LaunchedRank, first_difference, launched_rank
+from pytest_gradref.ranks.launcher import (
+    PEER_GRACE_S,
+    LaunchedRank,
+    first_difference,
+    launched_rank,
+)
 
 LAUNCHED = {
     "RANK": "1",
@@ -335,3 +341,41 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
     ) in output
     # The stack shows where the hung rank waits: in the test's all-reduce.
     assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_skips_the_all_reduce', output)
+
+
+def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
+    pytester: pytest.Pytester,
+) -> None:
+    # Rank 1 fails before the all-reduce that rank 0 waits in: rank 0 is ended
+    # PEER_GRACE_S after rank 1's outcome, not at the 300 s rank timeout.
+    pytester.makepyfile(
+        test_tp="""
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.gradref_ranks(2)
+def test_rank_1_fails_first(gradref_rank):
+    assert gradref_rank.rank == 0, "rank 1 fails before the all-reduce"
+    dist.all_reduce(torch.ones(1))
+"""
+    )
+    start = time.monotonic()
+    done = subprocess.run(
+        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    elapsed = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert (
+        "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::test_rank_1_fails_first: "
+        f"rank 1 failed, and this rank was still in the test {PEER_GRACE_S:g} s later, most "
+        "likely waiting for it in a collective; this rank's stack, then its process ends:"
+    ) in output, output
+    assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_fails_first', output)
+    assert elapsed < 30 + PEER_GRACE_S
