@@ -7,6 +7,7 @@ scenarios."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -494,3 +495,31 @@ def test_a_failed_tests_output_is_shown_rank_by_rank(pytester: pytest.Pytester) 
             "native stderr of rank 1",
         ]
     )
+
+
+def test_a_peer_that_fails_before_a_collective_ends_the_test_soon(
+    pytester: pytest.Pytester,
+) -> None:
+    # Rank 1 fails before the all-reduce rank 0 waits in: the test ends within seconds,
+    # naming rank 1's failure first, not at the 300 s rank timeout.
+    pytester.makepyfile(
+        test_peer="""
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.gradref_ranks(2)
+def test_rank_1_fails_first(gradref_rank):
+    assert gradref_rank.rank == 0, "rank 1 fails before the all-reduce"
+    dist.all_reduce(torch.ones(1))
+"""
+    )
+    start = time.monotonic()
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
+    elapsed = time.monotonic() - start
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["gradref_ranks(2) on cpu (gloo): rank 1 failed (AssertionError); rank 0 *"]
+    )
+    assert elapsed < 30
