@@ -164,12 +164,24 @@ def _torchrun(*args: str) -> list[str]:
 PYTEST = ["-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--gradref-device=cpu"]
 
 
+def _two_ranks(path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """pytest under ``torchrun --nproc-per-node=2`` in ``path``: the run and its output."""
+    done = subprocess.run(
+        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST, *args),
+        cwd=path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    return done, done.stdout + done.stderr
+
+
 def _outcomes(path: Path, rank: int) -> dict[str, tuple[str, str]]:
     lines = (path / f"outcomes-{rank}.jsonl").read_text().splitlines()
     return {name: (outcome, text) for name, outcome, text in map(json.loads, lines)}
 
 
-def _bodies(path: Path) -> list[tuple[int, int, int]]:
+def _bodies(path: Path) -> list[tuple[int, ...]]:
     """(rank, world size, RANK) of every body run, one list per process."""
     runs = []
     for file in sorted(path.glob("bodies-*")):
@@ -204,20 +216,7 @@ def _check_two_ranks(path: Path, output: str) -> None:
 def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_tp=TENSOR_PARALLEL)
-    done = subprocess.run(
-        _torchrun(
-            "--nproc-per-node=2",
-            f"--master-port={_free_port()}",
-            *PYTEST,
-            "-rs",
-            "--gradref-report=report.json",
-        ),
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
+    done, output = _two_ranks(pytester.path, "-rs", "--gradref-report=report.json")
     assert done.returncode != 0, output
     assert "torchrun: rank 0 of 2 (local rank 0, node 0)" in output
     assert "torchrun: rank 1 of 2 (local rank 1, node 0)" in output
@@ -294,14 +293,7 @@ if os.environ["RANK"] == "1":
         pass
 """
     )
-    done = subprocess.run(
-        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
+    done, output = _two_ranks(pytester.path)
     assert done.returncode != 0
     assert (
         "ERROR: torchrun: rank 0 of 2 (local rank 0, node 0): rank 1 collected other tests "
@@ -325,14 +317,7 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
         dist.all_reduce(torch.ones(1))
 """
     )
-    done = subprocess.run(
-        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = done.stdout + done.stderr
+    done, output = _two_ranks(pytester.path)
     assert done.returncode != 0
     assert (
         "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::"
@@ -362,15 +347,8 @@ def test_rank_1_fails_first(gradref_rank):
 """
     )
     start = time.monotonic()
-    done = subprocess.run(
-        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST),
-        cwd=pytester.path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done, output = _two_ranks(pytester.path)
     elapsed = time.monotonic() - start
-    output = done.stdout + done.stderr
     assert done.returncode != 0
     assert (
         "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::test_rank_1_fails_first: "
