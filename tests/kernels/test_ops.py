@@ -163,20 +163,24 @@ def test_loss_options_convert_themselves() -> None:
     assert names[start : start + len(fields)] == fields
 
 
+@opcheck_xfail_npu
 @pytest.mark.gradref_ranks(2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_vocab_parallel_operators(gradref_rank: Any, dtype: torch.dtype) -> None:
-    # In two ranks on gloo, each with its slice of the heads: every real call opcheck makes
-    # runs the operator's collectives, in the same order on both ranks. On the CPU, where
-    # opcheck runs (see opcheck_xfail_npu).
+def test_vocab_parallel_operators(
+    gradref_rank: Any, gradref_device: torch.device, dtype: torch.dtype
+) -> None:
+    # In two ranks, each with its slice of the heads, on the rank's device and collective
+    # library: every real call opcheck makes runs the operator's collectives, in the same
+    # order on both ranks.
     gen = torch.Generator().manual_seed(0)
     rows, hidden, teacher_hidden, vocab = 10, 8, 12, 24
 
     def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=gen).to(dtype)
+        return torch.randn(size, generator=gen).to(device=gradref_device, dtype=dtype)
 
     labels = torch.randint(0, vocab, (rows,), generator=gen)
     labels[::4] = OPTIONS.ignore_index
+    labels = labels.to(gradref_device)
     heads = [randn(vocab, hidden), randn(vocab, teacher_hidden), randn(vocab), randn(vocab)]
     weight, teacher_weight, bias, teacher_bias = (gradref_rank.shard(t) for t in heads)
     group = gradref_rank.group.group_name
@@ -197,8 +201,8 @@ def test_vocab_parallel_operators(gradref_rank: Any, dtype: torch.dtype) -> None
         True,
     )
     torch.library.opcheck(vocab_parallel_forward_op, forward)
-    share = torch.randn(rows, hidden, generator=gen)
-    scale = torch.tensor(0.25)
+    share = torch.randn(rows, hidden, generator=gen).to(gradref_device)
+    scale = torch.tensor(0.25, device=gradref_device)
     torch.library.opcheck(vocab_parallel_input_grad_op, (share, scale, dtype, group))
 
 
