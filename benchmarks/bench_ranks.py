@@ -8,9 +8,11 @@ plain test.
 Generates, in a temporary directory, ``--tests`` empty tests marked
 ``@pytest.mark.gradref_ranks(N)`` that take ``gradref_rank``, and as many plain tests that take
 ``gradref_device``, and runs them in one pytest run on the CPU with ``--junitxml``. A test's
-time is its setup + call + teardown there. Printed: the first multi-rank test (it starts the
-rank pool: spawning, importing torch, joining the process group), the median, least and
-greatest of the others (a warm pool), and the plain tests' median.
+time is its setup + call + teardown there; one more multi-rank test fails on rank 1, so the
+pool is ended, and one after it starts a new pool. Printed: the first multi-rank test (it
+starts the rank pool: the fork server, or spawned ranks, importing torch, then joining the
+process group), the median, least and greatest of the others (a warm pool), the test after the
+failure (a new pool, forked from the running fork server) and the plain tests' median.
 
 ``--mixed``: ``--tests`` tests of 2 ranks and as many of 3, run once in file order interleaved
 (2, 3, 2, 3, ...) and once grouped (all of 2, then all of 3), two pytest runs of one
@@ -39,6 +41,16 @@ import pytest
 @pytest.mark.parametrize("i", range({tests}))
 @pytest.mark.gradref_ranks({ranks})
 def test_ranked(i, gradref_rank):
+    assert gradref_rank.world_size == {ranks}
+
+
+@pytest.mark.gradref_ranks({ranks})
+def test_ranked_fails(gradref_rank):
+    assert gradref_rank.rank == 0, "rank 1 fails: the pool is ended"
+
+
+@pytest.mark.gradref_ranks({ranks})
+def test_ranked_after_a_failure(gradref_rank):
     assert gradref_rank.world_size == {ranks}
 
 
@@ -116,8 +128,15 @@ def main() -> None:
         junit = directory / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly"]
         command += ["-p", "no:cacheprovider", "--gradref-device=cpu", f"--junitxml={junit}"]
-        subprocess.run([*command, "test_ranks_cost.py"], cwd=directory, check=True)
-        times: dict[str, list[float]] = {"test_ranked": [], "test_plain": []}
+        ran = subprocess.run([*command, "test_ranks_cost.py"], cwd=directory)
+        if ran.returncode != 1:  # the one planted failure, and nothing else
+            sys.exit(f"pytest exited {ran.returncode}, expected 1 (one planted failure)")
+        times: dict[str, list[float]] = {
+            "test_ranked": [],
+            "test_ranked_fails": [],
+            "test_ranked_after_a_failure": [],
+            "test_plain": [],
+        }
         # In file order: the ranked tests first, the first of them starting the pool.
         for case in ET.parse(junit).getroot().iter("testcase"):
             times[case.attrib["name"].split("[")[0]].append(float(case.attrib["time"]))
@@ -132,6 +151,8 @@ def main() -> None:
         f"  warm pool: median {statistics.median(warm) * 1e3:.2f} ms, least "
         f"{min(warm) * 1e3:.2f} ms, greatest {max(warm) * 1e3:.2f} ms"
     )
+    after = times["test_ranked_after_a_failure"][0]
+    print(f"  after a failing test (a new pool): {after * 1e3:.0f} ms")
     print(f"plain tests: median {statistics.median(times['test_plain']) * 1e3:.2f} ms")
 
 

@@ -1,18 +1,22 @@
 """The rank processes of multi-rank tests, seen from their controller: the pytest process, or
 the xdist worker, that runs the test.
 
-``RankPool`` starts N ranks with ``torch.multiprocessing.start_processes`` (spawn: a rank on an
-accelerator cannot be forked from a process that has used it) and hosts their rendezvous, a
+``RankPool`` starts N ranks with ``torch.multiprocessing.start_processes``, never by forking
+the controller (a rank on an accelerator cannot be forked from a process that has used it):
+from multiprocessing's fork server, which imports torch once and forks each rank from there,
+or spawned where the platform has no fork server. It hosts the ranks' rendezvous, a
 TCPStore on a port the OS picks, so tests that run side by side never race for one. The pool
-is kept while tests pass: starting ranks costs a torch import each, a test on live ranks
-costs little more than its body. It is ended after any test that did not pass, and a rank
-that is still running then (hung, or waiting for a rank that failed) is asked for its Python
-stack (``STACK_SIGNAL``, written by faulthandler) before it is killed.
+is kept while tests pass: a test on live ranks costs little more than its body, a new pool a
+fork per rank (a torch import each where they are spawned). It is ended after any test that
+did not pass, and a rank that is still running then (hung, or waiting for a rank that
+failed) is asked for its Python stack (``STACK_SIGNAL``, written by faulthandler) before it is
+killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -44,6 +48,9 @@ FAILURE_GRACE_S = 10.0
 STACK_WAIT_S = 2.0
 # How long ranks told to stop (at the end of the session) have before they are killed.
 STOP_WAIT_S = 10.0
+# What the fork server imports before it forks the first rank: what every rank imports first.
+# torch's import initialises no accelerator, so forked ranks may still use theirs.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest_gradref.ranks.worker"]
 # The least time new ranks have to join their group (a torch import each, side by side on
 # shared cores: seconds), whatever a test's own timeout: that bounds its body alone.
 START_TIMEOUT_S = 120.0
@@ -99,12 +106,14 @@ class RankPool:
         self._store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", 0, is_master=True, wait_for_workers=False
         )
-        context = mp.get_context("spawn")
+        method = start_method()
+        context = mp.get_context(method)
         pipes = [context.Pipe() for _ in range(spec.world_size)]
         ends = [child for _, child in pipes]
-        args = (spec, self._store.port, ends, self._directory, os.getpid(), self._start_timeout)
+        environment = dict(os.environ)
+        args = (spec, self._store.port, ends, self._directory, self._start_timeout, environment)
         self._processes = mp.start_processes(  # type: ignore[attr-defined,no-untyped-call]
-            rank_main, args=args, nprocs=spec.world_size, join=False, start_method="spawn"
+            rank_main, args=args, nprocs=spec.world_size, join=False, start_method=method
         ).processes
         for end in ends:  # the ranks hold them now
             end.close()
@@ -272,6 +281,16 @@ class RankPool:
             connection.close()
         del self._store
         shutil.rmtree(self._directory, ignore_errors=True)
+
+
+def start_method() -> Literal["forkserver", "spawn"]:
+    """The fork server where the platform has one (it is started, importing torch, with the
+    first pool; later pools fork from it), spawn elsewhere."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    # Only read when the server starts: later calls, once it runs, change nothing.
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return "forkserver"
 
 
 def _below_the_test(stack: str) -> str:

@@ -359,8 +359,8 @@ def _pickled_fixtures(values: dict[str, Any]) -> bytes:
         if problem is not None:
             pytest.fail(
                 f"fixture {name!r} gives a {type(value).__name__}, which cannot be sent to the "
-                f"rank processes ({problem}). A gradref_ranks test's body runs in spawned "
-                "processes: it can take fixtures whose values pickle (tensors, numbers, "
+                f"rank processes ({problem}). A gradref_ranks test's body runs in "
+                "processes of its own: it can take fixtures whose values pickle (tensors, numbers, "
                 "strings, paths) and gradref_rank, gradref_device, gradref_backend and "
                 "grad_reference, which each rank makes for itself; set anything else up in "
                 "the test body",

@@ -1,6 +1,7 @@
 """What runs inside a rank process of a multi-rank test (``@pytest.mark.gradref_ranks``).
 
-torch.multiprocessing starts the ranks (spawn; processes.py). Each joins the process group
+torch.multiprocessing starts the ranks (processes.py: from a fork server that imported torch
+once, or spawned where the platform has no fork server). Each joins the process group
 once, then runs the tests its controller sends, one at a time, until told to stop or until its
 controller is gone: it imports the test's module (asserts rewritten as pytest rewrites them),
 rebuilds the per-rank fixtures, seeds torch with the test's seed, calls the test function and
@@ -151,11 +152,17 @@ def rank_main(
     store_port: int,
     connections: list[Connection],
     stack_dir: str,
-    controller_pid: int,
     start_timeout: float,
+    environment: dict[str, str],
 ) -> None:
-    """A rank's life: join the group, then run tests until told to stop (torch's spawn entry
-    point, so its first argument is the rank)."""
+    """A rank's life: join the group, then run tests until told to stop (torch's
+    start_processes entry point, so its first argument is the rank)."""
+    # A rank forked by the fork server starts with the server's environment, the controller's
+    # when the server started: the controller's of now is what a spawned rank would see.
+    os.environ.clear()
+    os.environ.update(environment)
+    # The rank's parent: the controller, or the fork server, which ends with the controller.
+    parent = os.getppid()
     connection = connections[rank]
     for other in connections:
         if other is not connection:
@@ -171,7 +178,7 @@ def rank_main(
     _send(connection, RankMessage(rank, "ready"))
     import torch.distributed as dist
 
-    while _wait_for_task(connection, controller_pid):
+    while _wait_for_task(connection, parent):
         task: Task | None = pickle.loads(connection.recv_bytes())
         if task is None:
             break
@@ -233,10 +240,11 @@ def _join(
     return RankContext(rank, spec.world_size, device, group, spec.collective), backend
 
 
-def _wait_for_task(connection: Connection, controller_pid: int) -> bool:
-    """Whether a message came; False once the controller is gone (a rank never outlives it)."""
+def _wait_for_task(connection: Connection, parent: int) -> bool:
+    """Whether a message came; False once the rank's parent, and so its controller, is gone
+    (a rank never outlives it: an orphan is adopted by another process)."""
     while not connection.poll(IDLE_POLL_S):
-        if os.getppid() != controller_pid:
+        if os.getppid() != parent:
             return False
     return True
 

@@ -1,12 +1,13 @@
 """Multi-rank tests (``@pytest.mark.gradref_ranks``): where each rank runs, and that a failing,
 hung or crashed rank fails its test by name while the session goes on, also under -n 2.
 
-The runs spawn rank processes (a torch import each), so each generated run holds several
-scenarios."""
+The runs start rank processes (the first pool of a process a torch import, a later one a fork
+per rank), so each generated run holds several scenarios."""
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import pytest
@@ -315,7 +316,7 @@ def test_failing_hung_and_crashed_ranks_fail_their_tests(
         [
             "*_ test_takes_a_fixture_that_cannot_travel _*",
             "fixture 'not_picklable' gives a function, which cannot be sent to the rank "
-            "processes (*). A gradref_ranks test's body runs in spawned processes*",
+            "processes (*). A gradref_ranks test's body runs in processes of its own*",
         ]
     )
 
@@ -523,3 +524,67 @@ def test_rank_1_fails_first(gradref_rank):
         ["gradref_ranks(2) on cpu (gloo): rank 1 failed (AssertionError); rank 0 *"]
     )
     assert elapsed < 30
+
+
+def test_a_new_pool_sees_the_controllers_environment_of_now(pytester: pytest.Pytester) -> None:
+    # Ranks forked from the fork server start with its environment, the controller's when the
+    # first pool started; a later pool's ranks see what the controller set since, as spawned
+    # ranks would.
+    pytester.makepyfile(
+        test_environment="""
+import os
+
+import pytest
+
+@pytest.mark.gradref_ranks(2)
+def test_first_pool(gradref_rank):
+    assert "GRADREF_TEST_LATE" not in os.environ
+
+def test_the_controller_sets_a_variable():
+    os.environ["GRADREF_TEST_LATE"] = "set"
+
+@pytest.mark.gradref_ranks(3)
+def test_second_pool(gradref_rank):
+    assert os.environ["GRADREF_TEST_LATE"] == "set"
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
+    result.assert_outcomes(passed=3)
+
+
+def test_ranks_end_when_their_controller_is_killed(pytester: pytest.Pytester) -> None:
+    # The controller dies without telling its ranks (SIGKILL): they leave within seconds, on
+    # their own, whether their parent is the controller or the fork server.
+    pytester.makepyfile(
+        test_orphans="""
+import os
+import signal
+
+import pytest
+
+@pytest.mark.gradref_ranks(2)
+def test_ranks_write_their_pids(gradref_rank):
+    with open(f"rank-{gradref_rank.rank}.pid", "w") as handle:
+        handle.write(str(os.getpid()))
+
+def test_the_controller_dies():
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gradref-device=cpu")
+    assert result.ret == -signal.SIGKILL
+    pids = [int(path.read_text()) for path in sorted(pytester.path.glob("rank-*.pid"))]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 15
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_running(pid) for pid in pids), f"ranks {pids} outlived their controller"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process runs (a zombie, ended but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
