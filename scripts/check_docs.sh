@@ -18,6 +18,9 @@ trap 'rm -rf "$site"' EXIT
 # Not --quiet: it hides the warnings that --strict counts, and the build would pass with them.
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --site-dir "$site"
 step "the code blocks (Sybil: scripts/doc_examples.py)"
+# A page's blocks share a namespace and run in order: --dist loadfile keeps each page on one
+# xdist worker, and the pages run side by side.
 PYTHONPATH="scripts${PYTHONPATH:+:$PYTHONPATH}" python -m pytest -q -p doc_examples \
-    -p no:randomly -p no:cacheprovider -p no:xdist README.md docs kernels/gradref_kernels/README.md
+    -p no:randomly -p no:cacheprovider -n auto --dist loadfile README.md docs \
+    kernels/gradref_kernels/README.md
 step "done"

@@ -21,4 +21,6 @@ step "$(grep '^torch==' scripts/oldest-constraints.txt) with its CUDA libraries 
 step "the project with its test extra, at $(grep -v '^#' scripts/oldest-constraints.txt | grep -v '^torch' | tr '\n' ' ')"
 "${pip[@]}" -e ".[test]"
 .venv-oldest/bin/python -m pip check
+step "caching the bytecode pytest rewrites (scripts/cache_bytecode.sh)"
+bash scripts/cache_bytecode.sh .venv-oldest/bin/python tests/plugin tests/kernels
 step "done: $(.venv-oldest/bin/python -c 'import pluggy, pytest, torch, xdist; print(f"torch {torch.__version__}, pytest {pytest.__version__}, pluggy {pluggy.__version__}, pytest-xdist {xdist.__version__}")')"
