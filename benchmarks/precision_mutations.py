@@ -52,6 +52,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from pytest_gradref.report.diff import UnusableInput, compare_reports, load_report
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
 sys.path.insert(0, str(REPO / "kernels"))
@@ -330,8 +332,8 @@ def measure_changes(name: str, cases: list[Unmutated]) -> tuple[list[Change], in
 class Outcome:
     """One run of the suite: exit status, the tests whose checks failed and those that
     crashed (node id -> first line of the failure), tests run, the gate's regression count
-    (None where its summary line was not found), its lines that name a test's item (key: the
-    line up to its last ": "), the mutated code's hits in the test processes, the wall time."""
+    (None where it judged nothing), a line per regressed item (key: its test and label), the
+    mutated code's hits in the test processes, the wall time."""
 
     status: int
     failed: dict[str, str]
@@ -367,26 +369,25 @@ def junit_results(path: Path) -> tuple[int, dict[str, str], dict[str, str]]:
     return tests, failed, crashed
 
 
-def gate_section(log: str) -> tuple[int | None, dict[str, str]]:
-    """The gate's regression count and its lines that name a test's item (in its ``gradref
-    baseline`` section of the terminal summary), keyed by the line up to its last ": " (the
-    test and item, without the numbers)."""
-    lines = log.splitlines()
-    start = next(
-        (i for i, line in enumerate(lines) if re.match(r"=+ gradref baseline =+", line)), None
-    )
-    if start is None:
+def gate_findings(baseline: str, report: Path) -> tuple[int | None, dict[str, str]]:
+    """The gate's regressions, judged again from the run's report by compare_reports, as the
+    gate judges them (its default threshold, floor and noise): their count, and each
+    regressed item's line keyed by its test and label. None for the count where nothing was
+    judged (no report written, set-ups that differ, no item in common), which the gate refuses
+    too."""
+    if not report.exists():
         return None, {}
-    section = []
-    for line in lines[start + 1 :]:
-        if line.startswith("=") or re.match(r"\d+ (passed|failed)", line):
-            break
-        section.append(line.strip())
-    found = re.search(r"(\d+) regressions?\b", section[0]) if section else None
-    # Lines about coverage (tests missing from this run, or not in the baseline) name no item.
-    items = {line.rsplit(": ", 1)[0]: line for line in section[1:]}
-    items = {key: line for key, line in items.items() if "::" in key}
-    return (int(found.group(1)) if found else None), items
+    try:
+        diff = compare_reports(load_report(baseline), load_report(report))
+    except UnusableInput:
+        return None, {}
+    if diff.nothing_compared():
+        return None, {}
+    items = {
+        f"{item.nodeid}: {item.label}": f"{item.nodeid}: {item.label}: {item.regression}"
+        for item in diff.regressions
+    }
+    return len(diff.regressions), items
 
 
 def run_suite(
@@ -406,6 +407,8 @@ def run_suite(
     for stale in hits_dir.glob("*.hits"):
         stale.unlink()
     junit = out / f"{label}.xml"
+    report = out / f"{label}.report.json"
+    report.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != _mutations.ENV}
     if name != UNMUTATED:
         env[_mutations.ENV] = name
@@ -429,6 +432,7 @@ def run_suite(
         "--tb=short",
         f"--gradref-baseline={baseline}",
         "--gradref-baseline-fail",
+        f"--gradref-report={report}",
         f"--junitxml={junit}",
     ]
     start = time.perf_counter()
@@ -437,7 +441,7 @@ def run_suite(
     log = done.stdout + done.stderr
     (out / f"{label}.log").write_text(f"{' '.join(command)}\n\n{log}")
     tests, failed, crashed = junit_results(junit)
-    regressions, gate_items = gate_section(log)
+    regressions, gate_items = gate_findings(baseline, report)
     hits = sum(int(p.read_text() or 0) for p in hits_dir.glob("*.hits"))
     return Outcome(done.returncode, failed, crashed, tests, regressions, gate_items, hits, seconds)
 
