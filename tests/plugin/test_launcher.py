@@ -165,14 +165,21 @@ PYTEST = ["-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--grad
 
 
 def _two_ranks(path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
-    """pytest under ``torchrun --nproc-per-node=2`` in ``path``: the run and its output."""
-    done = subprocess.run(
-        _torchrun("--nproc-per-node=2", f"--master-port={_free_port()}", *PYTEST, *args),
-        cwd=path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    """pytest under ``torchrun --standalone --nproc-per-node=2`` in ``path`` (the rendezvous
+    on a port torchrun binds itself: a port picked here and bound later could be taken in
+    between by another test's ranks): the run and its output."""
+    try:
+        done = subprocess.run(
+            _torchrun("--standalone", "--nproc-per-node=2", *PYTEST, *args),
+            cwd=path,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    except subprocess.TimeoutExpired as expired:
+        output = [part for part in (expired.stdout, expired.stderr) if part]
+        text = "".join(p.decode() if isinstance(p, bytes) else p for p in output)
+        pytest.fail(f"torchrun ran past 240 s; its output so far:\n{text}", pytrace=False)
     return done, done.stdout + done.stderr
 
 
