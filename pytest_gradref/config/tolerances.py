@@ -49,6 +49,20 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# Machine epsilon by dtype name, a complex dtype's that of its real part: torch.finfo's, held
+# without torch, for the verdict (verdict/dtypes.py) and for reading reports (report/diff.py)
+# alike. tests/plugin/test_diff.py holds it to torch.finfo.
+EPSILONS = {
+    "float16": 2.0**-10,
+    "bfloat16": 2.0**-7,
+    "float32": 2.0**-23,
+    "float64": 2.0**-52,
+    "complex32": 2.0**-10,
+    "complex64": 2.0**-23,
+    "complex128": 2.0**-52,
+}
+
+
 @dataclass(frozen=True)
 class ResolvedTolerance:
     """A tolerance and a phrase saying where it came from."""

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gradref.config.thresholds import DEFAULT_THRESHOLD
+from pytest_gradref.config.tolerances import EPSILONS
 
 # The format writer.py writes: raise it when a field changes meaning or disappears, so that
 # a diff refuses a report it would misread (3: each test's "inputs" fingerprints decide
@@ -73,16 +74,6 @@ DRIFT_FLOOR_STEPS = 1 / 16
 # many squared roundings being near normal, and would be loose there anyway (1.17x at 256).
 DRIFT_MIN_NUMEL = 256
 _HALF_PRECISION = frozenset({"float16", "bfloat16"})
-# Machine epsilons by dtype name (torch.finfo's; this module imports no torch).
-EPSILONS = {
-    "float16": 2.0**-10,
-    "bfloat16": 2.0**-7,
-    "float32": 2.0**-23,
-    "float64": 2.0**-52,
-    "complex32": 2.0**-10,
-    "complex64": 2.0**-23,
-    "complex128": 2.0**-52,
-}
 
 
 class UnusableInput(Exception):

@@ -1173,3 +1173,18 @@ def test_a_drift_and_a_growth_count_alike_across_a_simulated_and_a_real_device(
         assert (item.kind, item.regression) == (kind, "")
         assert item.uncounted.startswith(("error grew", "normwise error drifted"))
         assert not simulated.regressions
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128"],
+)
+def test_reports_are_read_with_the_verdicts_epsilons(name: str) -> None:
+    # One table, torch.finfo's, for the verdict and for the diff, which imports no torch.
+    import torch
+
+    from pytest_gradref.verdict.dtypes import epsilon
+
+    dtype = getattr(torch, name)
+    real = dtype.to_real() if dtype.is_complex else dtype
+    assert diff_module.EPSILONS[name] == torch.finfo(real).eps == epsilon(dtype)
