@@ -17,7 +17,7 @@ from pytest_gradref.config.markers import MarkerError
 from pytest_gradref.config.resolution import Resolution
 from pytest_gradref.config.settings import RANK_TIMEOUT_OPTION, Setting, parse_rank_timeout
 from pytest_gradref.devices.backends import builtin_backend
-from pytest_gradref.ranks import pytest_side
+from pytest_gradref.ranks import processes, pytest_side
 from pytest_gradref.ranks.pytest_side import owned_devices, parse_ranks_mark, rank_devices
 
 # --- where ranks run ----------------------------------------------------------------------------
@@ -526,10 +526,19 @@ def test_rank_1_fails_first(gradref_rank):
     assert elapsed < 30
 
 
-def test_a_new_pool_sees_the_controllers_environment_of_now(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_new_pool_sees_the_controllers_environment_of_now(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
     # Ranks forked from the fork server start with its environment, the controller's when the
     # first pool started; a later pool's ranks see what the controller set since, as spawned
-    # ranks would.
+    # ranks do. Spawned ranks are what a platform without a fork server (Windows) starts:
+    # forced here, so that path runs too.
+    assert processes.start_method() == "forkserver"  # this suite's platforms have one
+    monkeypatch.setattr(processes, "start_method", lambda: method)
+    # The generated run is in process: the variable it sets is removed again at teardown.
+    monkeypatch.setenv("GRADREF_TEST_LATE", "")
+    monkeypatch.delenv("GRADREF_TEST_LATE")
     pytester.makepyfile(
         test_environment="""
 import os
