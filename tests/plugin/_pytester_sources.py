@@ -43,3 +43,18 @@ def host_reads(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counted)
     return count
 """
+
+
+# Rank 1 fails before the all-reduce that rank 0 waits in: spawned ranks (test_ranks.py) and
+# the launcher's (test_launcher.py) must both end such a test within seconds.
+PEER_FAILS_FIRST = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.gradref_ranks(2)
+def test_rank_1_fails_first(gradref_rank):
+    assert gradref_rank.rank == 0, "rank 1 fails before the all-reduce"
+    dist.all_reduce(torch.ones(1))
+"""

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _pytester_sources import PEER_FAILS_FIRST
 
 from pytest_gradref.ranks.launcher import (
     PEER_GRACE_S,
@@ -344,19 +345,7 @@ def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
 ) -> None:
     # Rank 1 fails before the all-reduce that rank 0 waits in: rank 0 is ended
     # PEER_GRACE_S after rank 1's outcome, not at the 300 s rank timeout.
-    pytester.makepyfile(
-        test_tp="""
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.mark.gradref_ranks(2)
-def test_rank_1_fails_first(gradref_rank):
-    assert gradref_rank.rank == 0, "rank 1 fails before the all-reduce"
-    dist.all_reduce(torch.ones(1))
-"""
-    )
+    pytester.makepyfile(test_tp=PEER_FAILS_FIRST)
     start = time.monotonic()
     done, output = _two_ranks(pytester.path)
     elapsed = time.monotonic() - start

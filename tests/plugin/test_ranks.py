@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _pytester_sources import PEER_FAILS_FIRST
 
 from pytest_gradref.config.markers import MarkerError
 from pytest_gradref.config.resolution import Resolution
@@ -503,19 +504,7 @@ def test_a_peer_that_fails_before_a_collective_ends_the_test_soon(
 ) -> None:
     # Rank 1 fails before the all-reduce rank 0 waits in: the test ends within seconds,
     # naming rank 1's failure first, not at the 300 s rank timeout.
-    pytester.makepyfile(
-        test_peer="""
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.mark.gradref_ranks(2)
-def test_rank_1_fails_first(gradref_rank):
-    assert gradref_rank.rank == 0, "rank 1 fails before the all-reduce"
-    dist.all_reduce(torch.ones(1))
-"""
-    )
+    pytester.makepyfile(test_peer=PEER_FAILS_FIRST)
     start = time.monotonic()
     result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
     elapsed = time.monotonic() - start
