@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 
 from pytest_gradref.devices import simulated
 from pytest_gradref.devices.ascend_numerics import round_to_hf32
@@ -207,7 +208,7 @@ def test_autograd_and_grad_and_value_agree_bit_for_bit(restore_flags):
 @needs_simulation
 def test_the_ascend_numerics_of_the_simulated_operators(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(OPERATORS)
-    result = pytester.runpytest_subprocess(*ASCEND, "-p", "no:randomly")
+    result = runpytest_forked(pytester, *ASCEND, "-p", "no:randomly")
     result.assert_outcomes(passed=8)
     result.stdout.fnmatch_lines(
         [
@@ -284,7 +285,7 @@ def test_conv(grad_reference, gradref_device):
 def _edge(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     pytester.makeconftest(EDGE_CONFTEST)
     pytester.makepyfile(EDGE)
-    return pytester.runpytest_subprocess(*args, "-p", "no:randomly")
+    return runpytest_forked(pytester, *args, "-p", "no:randomly")
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from _forked_runs import runpytest_forked
 
 NO_TORCH_TEST = "def test_nothing():\n    pass\n"
 VALID_DEVICES = "auto, cuda, npu, xpu, mps, cpu, or NAME:INDEX such as cuda:1"
@@ -130,7 +131,7 @@ def test_unavailable_cuda(
     # No visible CUDA device, in a fresh process: a CPU-only build or a hidden GPU alike.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     pytester.makepyfile(NO_TORCH_TEST)
-    result = pytester.runpytest_subprocess(f"--gradref-device={value}")
+    result = runpytest_forked(pytester, f"--gradref-device={value}")
     _usage_error(
         result,
         f"ERROR: gradref device '{value}' from the --gradref-device option is unavailable: "

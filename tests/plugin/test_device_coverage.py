@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+from _forked_runs import runpytest_forked
 
 from pytest_gradref.devices import simulated
 
@@ -97,8 +98,8 @@ def failures(stdout: str) -> dict[str, tuple[str, str]]:
 @needs_simulation
 def test_under_xdist_the_summary_and_report_say_what_ran_where(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mixed=MIXED, test_second=SECOND)
-    result = pytester.runpytest_subprocess(
-        "-n", "2", "--dist=loadfile", *SIM, "--gradref-report=report.json"
+    result = runpytest_forked(
+        pytester, "-n", "2", "--dist=loadfile", *SIM, "--gradref-report=report.json"
     )
     result.assert_outcomes(passed=9, failed=2)
     result.stdout.fnmatch_lines(
@@ -144,7 +145,7 @@ def test_strict_device_fails_a_run_that_lost_coverage(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytester.makepyfile(MIXED)
-    result = pytester.runpytest_subprocess(*SIM, "--gradref-strict-device", "-k", "not 3")
+    result = runpytest_forked(pytester, *SIM, "--gradref-strict-device", "-k", "not 3")
     result.assert_outcomes(passed=9)
     assert result.ret == 7
     result.stdout.fnmatch_lines(
@@ -158,7 +159,7 @@ def test_strict_device_fails_a_run_that_lost_coverage(
     # From the environment, deselecting the two that ran without it; the test that found the
     # npu itself stays: the run passes.
     monkeypatch.setenv("GRADREF_STRICT_DEVICE", "true")
-    passing = pytester.runpytest_subprocess(*SIM, "-k", "not 3 and not plain and not no_torch")
+    passing = runpytest_forked(pytester, *SIM, "-k", "not 3 and not plain and not no_torch")
     passing.assert_outcomes(passed=7)
     assert passing.ret == pytest.ExitCode.OK
     passing.stdout.fnmatch_lines(

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 from _pytester_sources import PEER_FAILS_FIRST
 
 from pytest_gradref.config.markers import MarkerError
@@ -569,7 +570,7 @@ def test_the_controller_dies():
     os.kill(os.getpid(), signal.SIGKILL)
 """
     )
-    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gradref-device=cpu")
+    result = runpytest_forked(pytester, "-p", "no:randomly", "--gradref-device=cpu")
     assert result.ret == -signal.SIGKILL
     pids = [int(path.read_text()) for path in sorted(pytester.path.glob("rank-*.pid"))]
     assert len(pids) == 2

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 
 from pytest_gradref.report.diff import FORMAT_VERSION
 
@@ -168,7 +169,7 @@ def test_an_interrupted_report_write_leaves_the_previous_report(pytester: pytest
     previous = json.dumps(_report(pytester))
     pytester.makeconftest(INTERRUPTS_THE_REPORT)
     # A subprocess: the conftest replaces json.dumps for the whole process.
-    result = pytester.runpytest_subprocess("--gradref-device=cpu", "--gradref-report=report.json")
+    result = runpytest_forked(pytester, "--gradref-device=cpu", "--gradref-report=report.json")
     assert result.ret != pytest.ExitCode.OK
     # The report's own write was interrupted (not another plugin's, before it).
     result.stderr.fnmatch_lines(
@@ -418,7 +419,7 @@ def test_disagree(grad_reference):
 """
     )
     # A subprocess: the conftest replaces torch.func.grad_and_value for the whole process.
-    result = pytester.runpytest_subprocess("--gradref-strategy=crosscheck")
+    result = runpytest_forked(pytester, "--gradref-strategy=crosscheck")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [

@@ -2,7 +2,8 @@
 and torch.npu calls included, on CPU-only machines.
 
 Installing the simulation renames PyTorch's PrivateUse1 backend for the whole process, so every
-run that installs it is a subprocess.
+run that installs it is a process of its own: forked from one that imported torch already
+(_forked_runs.py), or a new interpreter where the order of imports is what a test checks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 
 from pytest_gradref.devices import simulated, simulated_devices
 
@@ -154,7 +156,7 @@ def test_forgot_to_move_a_tensor(gradref_device):
 
 def _run_route(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     pytester.makepyfile(NPU_ROUTE)
-    return pytester.runpytest_subprocess(*args)
+    return runpytest_forked(pytester, *args)
 
 
 @needs_simulation
@@ -186,8 +188,8 @@ def test_crosscheck_on_npu_tensors_from_the_environment(
 ) -> None:
     monkeypatch.setenv("GRADREF_SIMULATE", "npu")
     pytester.makepyfile(NPU_ROUTE)
-    result = pytester.runpytest_subprocess(
-        "--gradref-device=npu", "--gradref-strategy=crosscheck", "-k", "reference"
+    result = runpytest_forked(
+        pytester, "--gradref-device=npu", "--gradref-strategy=crosscheck", "-k", "reference"
     )
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
@@ -210,7 +212,7 @@ def test_real_device(gradref_device):
     assert gradref_device.type in ("cuda", "cpu") and "torch_npu" not in sys.modules
 """
     )
-    result = pytester.runpytest_subprocess("--gradref-simulate=none", "--gradref-device=auto")
+    result = runpytest_forked(pytester, "--gradref-simulate=none", "--gradref-device=auto")
     result.assert_outcomes(passed=1)
     result.stdout.no_fnmatch_line("*simulated*")
 
@@ -228,7 +230,7 @@ def test_one_visible():
     assert torch.npu.device_count() == 1
 """
     )
-    result = pytester.runpytest_subprocess("--gradref-simulate=npu", "--gradref-device=npu:1")
+    result = runpytest_forked(pytester, "--gradref-simulate=npu", "--gradref-device=npu:1")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -236,9 +238,9 @@ def test_one_visible():
             "1 npu device(s) visible with ASCEND_RT_VISIBLE_DEVICES='1', so the index must be 0..0"
         ]
     )
-    pytester.runpytest_subprocess(
-        "--gradref-simulate=npu", "--gradref-device=npu:0"
-    ).assert_outcomes(passed=1)
+    runpytest_forked(pytester, "--gradref-simulate=npu", "--gradref-device=npu:0").assert_outcomes(
+        passed=1
+    )
 
 
 @needs_simulation
@@ -263,7 +265,7 @@ def test_on_worker_device(i, gradref_device, worker_id, grad_reference):
     ref.assert_close(value, [x.grad])
 """
     )
-    result = pytester.runpytest_subprocess("-n", "2", "-v", *SIM)
+    result = runpytest_forked(pytester, "-n", "2", "-v", *SIM)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_on_worker_device*"])
     result.stdout.fnmatch_lines(
@@ -282,7 +284,8 @@ KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels" / "test_fused_lin
 def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> None:
     # A slice of the kernel suite itself (its conftest and the repository's ini included):
     # backward through the fused loss and grad_and_value references, on npu:0 and npu:1.
-    result = pytester.runpytest_subprocess(
+    result = runpytest_forked(
+        pytester,
         str(KERNEL_TESTS),
         "-k",
         "test_grad_output or test_non_contiguous_inputs",
@@ -295,7 +298,7 @@ def test_kernel_tests_on_both_simulated_workers(pytester: pytest.Pytester) -> No
     )
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(["[[]gw1[]] * PASSED *test_fused_linear_jsd.py::*"])
-    result.stdout.fnmatch_lines(["gw1 -> npu:1 (simulated on CPU; current device npu:1)"])
+    result.stdout.fnmatch_lines(["gw1 -> npu:1 (simulated on CPU; current device npu:1*"])
 
 
 # An importable torch_npu stands for a real one, whether or not it sees a device.
@@ -326,7 +329,7 @@ def test_a_real_torch_npu_is_never_shadowed(
 ) -> None:
     _torch_npu_on_the_path(pytester, monkeypatch, REAL_TORCH_NPU.format(count=count))
     pytester.makepyfile("def test_nothing():\n    pass\n")
-    result = pytester.runpytest_subprocess("--gradref-simulate=npu")
+    result = runpytest_forked(pytester, "--gradref-simulate=npu")
     # The message first: a usage error of another kind (the plugin lost, an unknown option)
     # has the same exit status.
     result.stderr.fnmatch_lines(
@@ -353,7 +356,7 @@ def test_simulated(gradref_device):
     assert gradref_device.type == "npu" and sys.modules["torch_npu"].simulated
 """
     )
-    result = pytester.runpytest_subprocess(*SIM)
+    result = runpytest_forked(pytester, *SIM)
     result.assert_outcomes(passed=1)
 
 
@@ -369,7 +372,7 @@ def test_older_torch_is_a_usage_error(pytester: pytest.Pytester) -> None:
         "vars(registration).pop('_setup_privateuseone_for_python_backend', None)\n",
         test_nothing="def test_nothing():\n    pass\n",
     )
-    result = pytester.runpytest_subprocess("-p", "hide_api", "--gradref-simulate=npu")
+    result = runpytest_forked(pytester, "-p", "hide_api", "--gradref-simulate=npu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -484,7 +487,7 @@ def test_compiled_code_runs_eagerly(gradref_device):
 @needs_simulation
 def test_other_libraries_live_with_the_simulation(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(OTHER_LIBRARIES)
-    result = pytester.runpytest_subprocess(*SIM)
+    result = runpytest_forked(pytester, *SIM)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(
         [
@@ -546,7 +549,7 @@ def test_the_conftest_saw_the_device(i):
     else:  # the environment variable, which --gradref-simulate=none overrides
         monkeypatch.setenv("GRADREF_SIMULATE", "npu")
         args += ["--gradref-simulate=none"] if source == "none" else []
-    result = pytester.runpytest_subprocess(*args)
+    result = runpytest_forked(pytester, *args)
     result.assert_outcomes(passed=2)
     result.stdout.no_fnmatch_line("*installed after*")
 
@@ -573,6 +576,7 @@ def test_the_cached_probe_was_cleared():
     assert early_plugin.FIRST_ANSWER is False and is_torch_npu_available() is True
 """,
     )
+    # A new interpreter: what this checks is the order of imports in one.
     result = pytester.runpytest_subprocess("-p", "early_plugin", "-p", "no:randomly", *SIM)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
@@ -595,6 +599,7 @@ def test_a_plugin_loaded_by_a_conftest_says_it_came_late(pytester: pytest.Pytest
         conftest='pytest_plugins = ["pytest_gradref.plugin"]\n',
         test_late="import torch\n\n\ndef test_npu():\n    assert torch.npu.is_available()\n",
     )
+    # A new interpreter: what this checks is the order of imports in one.
     result = pytester.runpytest_subprocess("-p", "no:gradref", "-p", "no:randomly", *SIM)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(

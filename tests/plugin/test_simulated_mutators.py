@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 
 from pytest_gradref.devices import simulated
 
@@ -468,14 +469,14 @@ def test_torch_load_refusals(monkeypatch):
 @needs_simulation
 def test_mutators_match_the_cpu(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_walk=WALK)
-    result = pytester.runpytest_subprocess(*SIM, "-q")
+    result = runpytest_forked(pytester, *SIM, "-q")
     result.assert_outcomes(passed=26)
 
 
 @needs_simulation
 def test_what_training_code_does(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_cases=CASES)
-    result = pytester.runpytest_subprocess(*SIM, "-q")
+    result = runpytest_forked(pytester, *SIM, "-q")
     result.assert_outcomes(passed=10)
     # Written on the simulated npu, read here, where no simulation is installed: a real npu
     # checkpoint's format, loaded with weights_only and map_location as one.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 
 # The checks every subclass must pass, written once; the generated module defines ``wrap``
 # (a plain tensor to the subclass) and ``SUBCLASS`` (the type every result must keep).
@@ -279,8 +280,11 @@ def test_dtensor_on_a_one_rank_gloo_mesh_takes_every_route(pytester: pytest.Pyte
     # A child process: the process group and the mesh are process-wide. The tolerance verdict:
     # torch.testing's route, which torch 2.6 cannot take on a DTensor (compare.py); the golden
     # route is the marked budget tests'.
-    result = pytester.runpytest_subprocess(
-        "--gradref-device=cpu", "--gradref-report=report.json", "--gradref-verdict=tolerance"
+    result = runpytest_forked(
+        pytester,
+        "--gradref-device=cpu",
+        "--gradref-report=report.json",
+        "--gradref-verdict=tolerance",
     )
     result.assert_outcomes(**OUTCOMES)
     _check_report(pytester.path / "report.json")
