@@ -17,136 +17,96 @@ simulated npu): here torch is imported before the run. pytest, its plugins and t
 are not, so pytest's assertion rewriting and entry-point loading see them as in a new
 interpreter. The zygote freezes what it imported out of the garbage collector's reach, which
 halves the collections pytest runs at its end.
+
+The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
+those of in-process runs (the conftest's ``forked_xdist_workers`` fixture).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import _forked_python
 import pytest
 from _pytest.pathlib import make_numbered_dir
 
-# Reads one request per line from stdin: forks, and in the child runs pytest as `python -m
-# pytest` would; answers the child's exit status, or "timeout" where it ran past the
-# request's timeout and was killed with its process group.
-_ZYGOTE = r"""
-import gc, json, os, signal, sys, time
-import torch, torch._dynamo
-
-gc.freeze()
-
-base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-for line in sys.stdin:
-    request = json.loads(line)
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.setpgid(0, 0)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        sys.path[:] = [request["cwd"], *extra, *base_path]
-        stdin = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(stdin, 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            target = os.open(request[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
-            os.close(target)
-        import atexit, runpy, traceback
-        sys.argv = ["-m", *request["args"]]
-        try:
-            runpy.run_module("pytest", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as end:
-            code = end.code if isinstance(end.code, int) else int(end.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    deadline = None if request["timeout"] is None else time.monotonic() + request["timeout"]
-    while True:
-        ended, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
-        if ended:
-            print(os.waitstatus_to_exitcode(status), flush=True)
-            break
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            print("timeout", flush=True)
-            break
-        time.sleep(0.02)
-"""
+ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
 
 
 class _Zygote:
+    """The zygote of this test process, started at its first use and killed at exit."""
+
     def __init__(self) -> None:
         self._process: subprocess.Popen[str] | None = None
+        self._socket = ""
 
-    def _started(self) -> subprocess.Popen[str]:
+    def socket_path(self) -> str:
         if self._process is None or self._process.poll() is not None:
+            folder = tempfile.mkdtemp(prefix="gradref-zygote-")
+            self._socket = os.path.join(folder, "socket")
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _ZYGOTE],
-                stdin=subprocess.PIPE,
+                [sys.executable, str(ZYGOTE_SCRIPT), self._socket],
+                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 text=True,
             )
             atexit.register(self._process.kill)
-        return self._process
-
-    def run(self, request: dict[str, object]) -> int | None:
-        """The child's exit status, or None where it ran past the request's timeout."""
-        process = self._started()
-        assert process.stdin is not None
-        assert process.stdout is not None
-        process.stdin.write(json.dumps(request) + "\n")
-        process.stdin.flush()
-        answer = process.stdout.readline().strip()
-        if not answer:
-            raise RuntimeError("the zygote that forks pytest runs ended; its error is above")
-        return None if answer == "timeout" else int(answer)
+            assert self._process.stdout is not None
+            if self._process.stdout.readline().strip() != "ready":
+                raise RuntimeError("the zygote that forks test runs did not start; see above")
+        return self._socket
 
 
-_zygote = _Zygote()
+zygote = _Zygote()
 
 
 def runpytest_forked(
     pytester: pytest.Pytester, *args: str | os.PathLike[str], timeout: float | None = None
 ) -> pytest.RunResult:
     """pytester.runpytest_subprocess's run and result, in a child forked from the zygote."""
-    if not hasattr(os, "fork"):
+    if not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
         return pytester.runpytest_subprocess(*args, timeout=timeout)
     basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
     arguments = [f"--basetemp={basetemp}", *map(os.fspath, args)]
     for plugin in pytester.plugins:
         arguments = ["-p", str(plugin), *arguments]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [os.getcwd(), os.environ.get("PYTHONPATH", "")])
-    )
     stdout, stderr = pytester.path / "stdout", pytester.path / "stderr"
-    request = {
-        "args": arguments,
-        "cwd": os.getcwd(),
-        "env": env,
-        "stdout": str(stdout),
-        "stderr": str(stderr),
-        "timeout": timeout,
-    }
     print("running (forked): pytest", *arguments)
     started = time.perf_counter()
-    code = _zygote.run(request)
-    if code is None:
-        raise pytester.TimeoutExpired(f"{timeout} second timeout expired running: {arguments}")
+    with contextlib.ExitStack() as stack:
+        files = [
+            stack.enter_context(open(os.devnull)),
+            stack.enter_context(stdout.open("w")),
+            stack.enter_context(stderr.open("w")),
+        ]
+        # As pytester gives its subprocesses: the working directory first on PYTHONPATH.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.getcwd(), os.environ.get("PYTHONPATH", "")])
+        )
+        argv = ["-m", "pytest", *arguments]
+        fds = [handle.fileno() for handle in files]
+        connection = _forked_python.request(zygote.socket_path(), argv, fds, env)
+    with connection, connection.makefile("rb") as answers:
+        pid = int(answers.readline())
+        connection.settimeout(timeout)
+        try:
+            code = int(answers.readline())
+        except socket.timeout:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            raise pytester.TimeoutExpired(
+                f"{timeout} second timeout expired running: {arguments}"
+            ) from None
     elapsed = time.perf_counter() - started
     out = stdout.read_text(encoding="utf8").splitlines()
     err = stderr.read_text(encoding="utf8").splitlines()

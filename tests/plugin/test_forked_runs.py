@@ -1,10 +1,15 @@
-"""The forked pytester runs (_forked_runs.py) give what pytester's subprocess runs give."""
+"""The forked pytester runs (_forked_runs.py) give what pytester's subprocess runs give, and
+the xdist workers of in-process runs start as forks of the zygote (_forked_python.py)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 
+import _forked_python
 import pytest
+from _forked_python import forked_popen_args
 from _forked_runs import runpytest_forked
 
 OUTCOMES = """
@@ -58,3 +63,37 @@ def test_a_run_past_its_timeout_is_ended(pytester: pytest.Pytester) -> None:
     # The zygote serves the next run.
     pytester.makepyfile("def test_quick():\n    pass\n")
     runpytest_forked(pytester).assert_outcomes(passed=1)
+
+
+def test_xdist_workers_of_an_in_process_run_are_forks_of_the_zygote(
+    pytester: pytest.Pytester,
+) -> None:
+    # A worker execnet started itself would be a child of the controller, this process.
+    pytester.makepyfile(
+        """
+import os
+import pytest
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_record_the_parent(i, worker_id):
+    with open(f"parent-{worker_id}-{i}", "w") as handle:
+        handle.write(str(os.getppid()))
+"""
+    )
+    pytester.runpytest("-n", "2", "-p", "no:randomly").assert_outcomes(passed=2)
+    parents = {int(path.read_text()) for path in pytester.path.glob("parent-*")}
+    assert parents
+    assert os.getpid() not in parents
+
+
+def test_a_worker_interpreter_named_in_tx_is_left_alone() -> None:
+    execnet = pytest.importorskip("execnet")
+    from execnet import gateway_io
+
+    patched = forked_popen_args(gateway_io.popen_args, lambda: "/nowhere/socket")
+    named = patched(execnet.XSpec("popen//python=/opt/python3"))
+    assert named[0] == "/opt/python3"
+    forked = patched(execnet.XSpec("popen"))
+    assert forked[:5] == [sys.executable, "-I", "-S", _forked_python.SCRIPT, "/nowhere/socket"]
+    assert forked[5:] == gateway_io.popen_args(execnet.XSpec("popen"))[1:]

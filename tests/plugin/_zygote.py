@@ -1,0 +1,142 @@
+"""The zygote of _forked_runs.py: imports torch once, then forks a process for each request.
+
+Run as ``python _zygote.py SOCKET``. A request is a connection to the Unix socket SOCKET that
+sends three file descriptors (the new process's stdin, stdout and stderr) with one JSON line:
+the process's ``argv`` (what follows the interpreter on a command line, ``-m pytest ...`` or
+``-u -c CODE``), ``cwd`` and ``env``. For each, the zygote forks a waiter, which forks the
+process, answers its pid, waits for it and answers its exit status (negative: the signal that
+ended it). A client that hangs up before has the process's group killed.
+
+The process starts as the interpreter would, with torch and torch._dynamo already imported,
+and ends as ``os._exit`` does once the atexit handlers ran (no teardown of the modules).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import os
+import runpy
+import select
+import signal
+import socket
+import sys
+import traceback
+import types
+
+import _forked_python
+import torch
+import torch._dynamo  # noqa: F401
+from execnet import gateway_io
+
+# sys.path[0] is this script's folder: a new interpreter would have the command's own there.
+BASE_PATH = [
+    entry
+    for entry in sys.path[1:]
+    if entry not in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+]
+
+
+def main(socket_path: str) -> None:
+    gateway_io.popen_args = _forked_python.forked_popen_args(
+        gateway_io.popen_args, lambda: socket_path
+    )
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    # What is loaded now stays for every child: out of the collector's way, and the waiters
+    # reaped by the kernel.
+    gc.freeze()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    print("ready", flush=True)
+    while True:
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _wait_on(connection)
+        connection.close()
+
+
+def _wait_on(connection: socket.socket) -> None:
+    """The waiter: start the requested process, answer its pid and its exit status."""
+    request, fds = _receive(connection)
+    wakeup, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        for fd in (wakeup, wake, connection.fileno()):
+            os.close(fd)
+        _run(request, fds)
+    for fd in fds:
+        os.close(fd)
+    connection.sendall(f"{pid}\n".encode())
+    while True:
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            os._exit(0)
+        readable, _, _ = select.select([connection, wakeup], [], [])
+        if wakeup in readable:
+            os.read(wakeup, 512)
+        if connection in readable and not connection.recv(1):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _receive(connection: socket.socket) -> tuple[dict[str, object], list[int]]:
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            raise EOFError("the request ended before its newline")
+        data += more
+    return json.loads(data), fds
+
+
+def _run(request: dict[str, object], fds: list[int]) -> None:
+    """The process: as the interpreter would run the request's argv."""
+    os.setpgid(0, 0)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    cwd, env, argv = str(request["cwd"]), dict(request["env"]), list(request["argv"])
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    code = 0
+    try:
+        if argv[:2] == ["-m", "pytest"]:
+            sys.path[:] = [cwd, *extra, *BASE_PATH]
+            sys.argv = ["-m", *argv[2:]]
+            runpy.run_module("pytest", run_name="__main__", alter_sys=True)
+        else:
+            source = argv[argv.index("-c") + 1]
+            sys.path[:] = ["", *extra, *BASE_PATH]
+            sys.argv = ["-c", *argv[argv.index("-c") + 2 :]]
+            if "-u" in argv:
+                sys.stdout.reconfigure(write_through=True)
+                sys.stderr.reconfigure(write_through=True)
+            # A `-c` command's __main__ has no file (multiprocessing's spawned and forkserver
+            # children run the parent's __main__ file again: here it would be the zygote's).
+            main_module = types.ModuleType("__main__")
+            sys.modules["__main__"] = main_module
+            exec(compile(source, "<string>", "exec"), main_module.__dict__)
+    except SystemExit as end:
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
