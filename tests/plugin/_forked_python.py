@@ -24,14 +24,22 @@ SCRIPT = os.path.abspath(__file__)
 
 
 def request(
-    socket_path: str, argv: list[str], fds: list[int], env: dict[str, str] | None = None
+    socket_path: str,
+    argv: list[str],
+    fds: list[int],
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> socket.socket:
     """Ask the zygote at socket_path for a process running argv on fds (stdin, stdout,
-    stderr), in this working directory and in env (by default this process's environment);
-    the connection answers its pid, then its exit status, one line each."""
+    stderr), in cwd and env (by default this process's); the connection answers its pid, then
+    its exit status, one line each."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(socket_path)
-    payload = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ if env is None else env)}
+    payload = {
+        "argv": argv,
+        "cwd": os.getcwd() if cwd is None else cwd,
+        "env": dict(os.environ if env is None else env),
+    }
     socket.send_fds(connection, [json.dumps(payload).encode() + b"\n"], fds)
     return connection
 

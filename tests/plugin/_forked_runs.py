@@ -69,44 +69,78 @@ class _Zygote:
 zygote = _Zygote()
 
 
-def runpytest_forked(
-    pytester: pytest.Pytester, *args: str | os.PathLike[str], timeout: float | None = None
-) -> pytest.RunResult:
-    """pytester.runpytest_subprocess's run and result, in a child forked from the zygote."""
-    if not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
-        return pytester.runpytest_subprocess(*args, timeout=timeout)
-    basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
-    arguments = [f"--basetemp={basetemp}", *map(os.fspath, args)]
-    for plugin in pytester.plugins:
-        arguments = ["-p", str(plugin), *arguments]
-    stdout, stderr = pytester.path / "stdout", pytester.path / "stderr"
-    print("running (forked): pytest", *arguments)
-    started = time.perf_counter()
+def run_pytest(
+    arguments: list[str],
+    *,
+    cwd: str | os.PathLike[str],
+    env: dict[str, str],
+    stdout: Path,
+    stderr: Path,
+    timeout: float | None = None,
+) -> int:
+    """``python -m pytest ARGUMENTS`` in cwd and env, forked from the zygote, its output
+    written to the two files: its exit status (negative: the signal that ended it). Past
+    timeout the run is killed and TimeoutError raised. Where the platform cannot fork or pass
+    file descriptors, a new interpreter runs it."""
     with contextlib.ExitStack() as stack:
         files = [
             stack.enter_context(open(os.devnull)),
             stack.enter_context(stdout.open("w")),
             stack.enter_context(stderr.open("w")),
         ]
-        # As pytester gives its subprocesses: the working directory first on PYTHONPATH.
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.getcwd(), os.environ.get("PYTHONPATH", "")])
-        )
-        argv = ["-m", "pytest", *arguments]
+        if not hasattr(os, "fork") or not hasattr(socket, "send_fds"):
+            command = [sys.executable, "-m", "pytest", *arguments]
+            try:
+                done = subprocess.run(
+                    command,
+                    cwd=cwd,
+                    env=env,
+                    stdin=files[0],
+                    stdout=files[1],
+                    stderr=files[2],
+                    timeout=timeout,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired:
+                message = f"{timeout} second timeout expired running: {arguments}"
+                raise TimeoutError(message) from None
+            return done.returncode
         fds = [handle.fileno() for handle in files]
-        connection = _forked_python.request(zygote.socket_path(), argv, fds, env)
+        argv = ["-m", "pytest", *arguments]
+        connection = _forked_python.request(zygote.socket_path(), argv, fds, env, os.fspath(cwd))
     with connection, connection.makefile("rb") as answers:
         pid = int(answers.readline())
         connection.settimeout(timeout)
         try:
-            code = int(answers.readline())
+            return int(answers.readline())
         except socket.timeout:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
-            raise pytester.TimeoutExpired(
-                f"{timeout} second timeout expired running: {arguments}"
-            ) from None
+            raise TimeoutError(f"{timeout} second timeout expired running: {arguments}") from None
+
+
+def runpytest_forked(
+    pytester: pytest.Pytester, *args: str | os.PathLike[str], timeout: float | None = None
+) -> pytest.RunResult:
+    """pytester.runpytest_subprocess's run and result, in a child forked from the zygote."""
+    basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
+    arguments = [f"--basetemp={basetemp}", *map(os.fspath, args)]
+    for plugin in pytester.plugins:
+        arguments = ["-p", str(plugin), *arguments]
+    stdout, stderr = pytester.path / "stdout", pytester.path / "stderr"
+    # As pytester gives its subprocesses: the working directory first on PYTHONPATH.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    )
+    print("running (forked): pytest", *arguments)
+    started = time.perf_counter()
+    try:
+        code = run_pytest(
+            arguments, cwd=os.getcwd(), env=env, stdout=stdout, stderr=stderr, timeout=timeout
+        )
+    except TimeoutError as timed_out:
+        raise pytester.TimeoutExpired(str(timed_out)) from None
     elapsed = time.perf_counter() - started
     out = stdout.read_text(encoding="utf8").splitlines()
     err = stderr.read_text(encoding="utf8").splitlines()

@@ -7,30 +7,28 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from _forked_runs import run_pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _collected(triton_interpret: str, *args: str) -> list[str]:
     """The node ids `pytest tests/kernels *args --collect-only` selects, with TRITON_INTERPRET
-    set as a machine without CUDA ("1") or with it ("0") has it."""
+    set as a machine without CUDA ("1") or with it ("0") has it; in a process of its own,
+    forked from the zygote (_forked_runs.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GRADREF_"))}
     env["TRITON_INTERPRET"] = triton_interpret
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/kernels", "--collect-only", "-q", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [line for line in done.stdout.splitlines() if "::" in line]
+    with tempfile.TemporaryDirectory() as folder:
+        stdout, stderr = Path(folder, "stdout"), Path(folder, "stderr")
+        arguments = ["tests/kernels", "--collect-only", "-q", *args]
+        code = run_pytest(arguments, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+        out, err = stdout.read_text(), stderr.read_text()
+    assert code == 0, out[-3000:] + err[-3000:]
+    return [line for line in out.splitlines() if "::" in line]
 
 
 @pytest.fixture(scope="module")
