@@ -52,7 +52,8 @@ _OUTCOME_PREFIX = "gradref/outcome"
 _outcome_key = pytest.StashKey[str]()
 _EXCHANGE_GRACE_S = 60.0
 # How long a rank may stay in a test after a peer failed it before it is ended as waiting for
-# that peer; and how often the watchdog looks.
+# that peer, at most the test's rank timeout (as spawned ranks are, processes.FAILURE_GRACE_S);
+# and how often the watchdog looks.
 PEER_GRACE_S = 10.0
 _WATCH_POLL_S = 0.5
 
@@ -258,8 +259,8 @@ class LauncherHooks(RankHooks):
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, Any, Any]:
         """Watch a marked test's body: end this rank's process, printing its stack, where it
-        runs past the rank timeout, or goes on for PEER_GRACE_S after a peer failed (it then
-        waits in a collective the failed rank will never join)."""
+        runs past the rank timeout, or goes on for PEER_GRACE_S (at most the rank timeout)
+        after a peer failed (it then waits in a collective the failed rank will never join)."""
         context = item.stash.get(launched_context_key, None)
         if context is None:
             return (yield)
@@ -293,22 +294,31 @@ class LauncherHooks(RankHooks):
 
         store = dist.distributed_c10d._get_default_store()
         peers = [f"{key}/{rank}" for rank in range(context.world_size) if rank != context.rank]
+        grace = min(seconds, PEER_GRACE_S)
         start = time.monotonic()
         failed_at = None
         while not done.wait(_WATCH_POLL_S):
             now = time.monotonic()
-            if now - start > seconds:
-                self._end(f"{nodeid} ran past the rank timeout of {seconds:g} s (from {source})")
             if failed_at is None:
                 for peer in peers:
                     if store.check([peer]) and json.loads(store.get(peer))["outcome"] == "failed":
                         failed_at, failed = now, peer.rsplit("/", 1)[1]
                         break
-            elif now - failed_at > PEER_GRACE_S:
+            # Once a peer failed, this rank's end is put down to it, whichever limit is reached
+            # first: it most likely waits for that peer.
+            if failed_at is not None and now - failed_at > grace:
                 self._end(
                     f"{nodeid}: rank {failed} failed, and this rank was still in the test "
-                    f"{PEER_GRACE_S:g} s later, most likely waiting for it in a collective"
+                    f"{grace:g} s later, most likely waiting for it in a collective"
                 )
+            if now - start > seconds:
+                if failed_at is not None:
+                    self._end(
+                        f"{nodeid}: rank {failed} failed, and this rank was still in the test at "
+                        f"its rank timeout of {seconds:g} s (from {source}), most likely "
+                        "waiting for it in a collective"
+                    )
+                self._end(f"{nodeid} ran past the rank timeout of {seconds:g} s (from {source})")
 
     def _timeout(self, item: pytest.Item) -> tuple[float, str]:
         """A marked test's rank timeout and where it comes from."""

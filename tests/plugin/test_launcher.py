@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -343,17 +344,88 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
 def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
     pytester: pytest.Pytester,
 ) -> None:
-    # Rank 1 fails before the all-reduce that rank 0 waits in: rank 0 is ended
-    # PEER_GRACE_S after rank 1's outcome, not at the 300 s rank timeout.
-    pytester.makepyfile(test_tp=PEER_FAILS_FIRST)
+    # Rank 1 fails before the all-reduce that rank 0 waits in: rank 0 is ended by its rank
+    # timeout, 3 s here (PEER_GRACE_S after rank 1's outcome where that comes first), with the
+    # failed peer named, not as a rank that hung on its own.
+    source = PEER_FAILS_FIRST.replace("gradref_ranks(2)", "gradref_ranks(2, timeout=3)")
+    assert source != PEER_FAILS_FIRST
+    pytester.makepyfile(test_tp=source)
     start = time.monotonic()
     done, output = _two_ranks(pytester.path)
     elapsed = time.monotonic() - start
     assert done.returncode != 0
     assert (
         "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::test_rank_1_fails_first: "
-        f"rank 1 failed, and this rank was still in the test {PEER_GRACE_S:g} s later, most "
-        "likely waiting for it in a collective; this rank's stack, then its process ends:"
+        "rank 1 failed, and this rank was still in the test at its rank timeout of 3 s (from "
+        "its @pytest.mark.gradref_ranks(timeout=...)), most likely waiting for it in a "
+        "collective; this rank's stack, then its process ends:"
     ) in output, output
     assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_fails_first', output)
     assert elapsed < 30 + PEER_GRACE_S
+
+
+class _Ended(Exception):
+    pass
+
+
+class _PeerOutcomes:
+    """A launcher store where every peer's outcome of the test is ``outcome`` (or none yet)."""
+
+    def __init__(self, outcome: str | None) -> None:
+        self.outcome = outcome
+
+    def check(self, keys: list[str]) -> bool:
+        return self.outcome is not None
+
+    def get(self, key: str) -> bytes:
+        return json.dumps({"outcome": self.outcome}).encode()
+
+
+@pytest.mark.parametrize(
+    ("peer", "seconds", "why"),
+    [
+        # A failed peer, the rank timeout far off: ended PEER_GRACE_S after the failure.
+        (
+            "failed",
+            60.0,
+            "t.py::test: rank 1 failed, and this rank was still in the test "
+            "0.2 s later, most likely waiting for it in a collective",
+        ),
+        # A failed peer and a rank timeout shorter than the grace: ended at the timeout, put
+        # down to the peer, as spawned ranks are.
+        (
+            "failed",
+            0.1,
+            "t.py::test: rank 1 failed, and this rank was still in the test at its "
+            "rank timeout of 0.1 s (from the marker), most likely waiting for it in a collective",
+        ),
+        # No peer failed: the rank hung on its own.
+        (None, 0.1, "t.py::test ran past the rank timeout of 0.1 s (from the marker)"),
+    ],
+    ids=["grace", "timeout-after-a-peer-failed", "timeout"],
+)
+def test_the_watchdog_names_why_it_ends_a_rank(
+    monkeypatch: pytest.MonkeyPatch, peer: str | None, seconds: float, why: str
+) -> None:
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from pytest_gradref.ranks import launcher
+
+    store = _PeerOutcomes(peer)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(launcher, "PEER_GRACE_S", 0.2)
+    monkeypatch.setattr(launcher, "_WATCH_POLL_S", 0.02)
+    ended: list[str] = []
+
+    def end(reason: str) -> None:
+        ended.append(reason)
+        raise _Ended
+
+    hooks = object.__new__(launcher.LauncherHooks)  # only the watchdog is exercised
+    monkeypatch.setattr(hooks, "_end", end, raising=False)
+    context = SimpleNamespace(rank=0, world_size=2)
+    with pytest.raises(_Ended):
+        hooks._watch("t.py::test", "key", context, seconds, "the marker", threading.Event())
+    assert ended == [why]
