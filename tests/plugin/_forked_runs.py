@@ -19,7 +19,7 @@ interpreter. The zygote freezes what it imported out of the garbage collector's 
 halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
-those of in-process runs (the conftest's ``forked_xdist_workers`` fixture).
+those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +53,7 @@ class _Zygote:
     def socket_path(self) -> str:
         if self._process is None or self._process.poll() is not None:
             folder = tempfile.mkdtemp(prefix="gradref-zygote-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)
             self._socket = os.path.join(folder, "socket")
             self._process = subprocess.Popen(
                 [sys.executable, str(ZYGOTE_SCRIPT), self._socket],

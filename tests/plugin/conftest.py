@@ -111,6 +111,9 @@ def _forked_xdist_workers(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
     worker's own start runs its workers in a subprocess run (runpytest_subprocess)."""
     if "pytester" not in request.fixturenames or not hasattr(socket, "send_fds"):
         return
-    gateway_io = pytest.importorskip("execnet.gateway_io")
+    try:
+        from execnet import gateway_io
+    except ModuleNotFoundError:  # no xdist here: no workers to start, nothing to skip
+        return
     patched = forked_popen_args(gateway_io.popen_args, zygote.socket_path)
     monkeypatch.setattr(gateway_io, "popen_args", patched)
