@@ -55,7 +55,7 @@ from pytest_gradref.ranks.launcher import (
     LauncherHooks,
     launched_context_key,
     launched_rank,
-    launched_settings,
+    left_to_rank_zero,
     refuse_reordering,
 )
 from pytest_gradref.ranks.pytest_side import RankHooks, rank_fixture
@@ -155,9 +155,11 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = read_settings(config, registry)
     # Under torchrun each launcher process is one rank; otherwise the plugin spawns the ranks.
     launched = None if is_xdist_worker(config) else launched_rank(os.environ)
+    # A launched rank other than 0 records for rank 0, which writes the report and gates.
+    deferred = [] if launched is None else left_to_rank_zero(settings, launched)
+    reports = launched is None or launched.rank == 0
     if launched is not None:
         refuse_reordering(config, launched)
-        settings = launched_settings(settings, launched)
     if settings.report and not is_xdist_worker(config):
         check_report_path(settings.report)  # before any test runs, not after the whole suite
     # Installed before the initial conftests (pytest_load_initial_conftests) unless the plugin
@@ -173,14 +175,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if launched is None:
         config.pluginmanager.register(RankHooks(config, state), "gradref-ranks")
     else:
-        config.pluginmanager.register(LauncherHooks(config, state, launched), "gradref-ranks")
+        config.pluginmanager.register(
+            LauncherHooks(config, state, launched, deferred), "gradref-ranks"
+        )
     coverage = DeviceCoverage(strict=settings.strict_device)
     config.pluginmanager.register(coverage, "gradref-device-coverage")
     collector = ReportCollector(
-        settings.report, settings.seed, coverage, simulated=settings.simulate is not None
+        settings.report if reports else None,
+        settings.seed,
+        coverage,
+        simulated=settings.simulate is not None,
     )
     config.pluginmanager.register(collector, "gradref-report")
-    if settings.baseline and not is_xdist_worker(config):
+    if settings.baseline and reports and not is_xdist_worker(config):
         # On-demand: the gate and its output load only in a run gated on a baseline.
         from pytest_gradref.report.baseline import BaselineGate
 

@@ -25,8 +25,7 @@ import os
 import sys
 import threading
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -41,6 +40,8 @@ if TYPE_CHECKING:
     from pytest_gradref.config.resolution import Resolution
     from pytest_gradref.config.state import GradrefState
     from pytest_gradref.ranks.worker import RankContext
+    from pytest_gradref.report.device_coverage import DeviceCoverage
+    from pytest_gradref.report.writer import ReportCollector
 
 # What a launcher sets in each process it starts (torchrun sets them all, and more).
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -124,14 +125,18 @@ def refuse_reordering(config: pytest.Config, launched: LaunchedRank) -> None:
         )
 
 
-def launched_settings(settings: Settings, launched: LaunchedRank) -> Settings:
-    """The session's settings on one rank: each rank writes its own report, PATH with
-    ``.rank<r>`` before its suffix, so no rank overwrites another's."""
-    if settings.report is None:
-        return settings
-    path = Path(settings.report)
-    rank_path = path.with_name(f"{path.stem}.rank{launched.rank}{path.suffix}")
-    return replace(settings, report=str(rank_path))
+def left_to_rank_zero(settings: Settings, launched: LaunchedRank) -> list[str]:
+    """What a rank other than 0 leaves to rank 0, which gathers every rank's records, writes
+    the one report and judges them against the baseline (the other ranks still record, for
+    rank 0, but write and judge nothing)."""
+    if launched.rank == 0:
+        return []
+    left = []
+    if settings.report is not None:
+        left.append(f"rank 0 writes every rank's records to {settings.report}")
+    if settings.baseline is not None:
+        left.append(f"rank 0 gates every rank's records on {settings.baseline}")
+    return left
 
 
 def first_difference(mine: Sequence[str], theirs: Sequence[str]) -> str:
@@ -147,9 +152,16 @@ def first_difference(mine: Sequence[str], theirs: Sequence[str]) -> str:
 class LauncherHooks(RankHooks):
     """The hooks of a session a launcher started: one rank per process, no pool."""
 
-    def __init__(self, config: pytest.Config, state: GradrefState, launched: LaunchedRank) -> None:
+    def __init__(
+        self,
+        config: pytest.Config,
+        state: GradrefState,
+        launched: LaunchedRank,
+        deferred: Sequence[str] = (),
+    ) -> None:
         super().__init__(config, state)
         self.launched = launched
+        self.deferred = list(deferred)  # the report's and the gate's work rank 0 does
         self._groups: dict[int, torch.distributed.ProcessGroup] = {}
         self._runs: dict[str, int] = {}
         self._collective_name = ""
@@ -401,8 +413,10 @@ class LauncherHooks(RankHooks):
             }
         return {rank: json.loads(store.get(keys[rank])) for rank in range(context.world_size)}
 
+    @pytest.hookimpl(tryfirst=True)  # before the report is written and the gate judges
     def pytest_sessionfinish(self) -> None:
-        """Gather every rank's counts for rank 0's summary, then leave the group."""
+        """Gather every rank's counts for rank 0's summary and its records for rank 0's report
+        and gate, then leave the group."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -413,9 +427,34 @@ class LauncherHooks(RankHooks):
         counts: list[dict[str, int] | None] = [None] * self.launched.world_size
         dist.all_gather_object(counts, mine)
         self._counts = [c or {} for c in counts]
+        self._gather_records()
         dist.destroy_process_group()
 
+    def _gather_records(self) -> None:
+        """Every rank's test records and devices, onto rank 0's report collector."""
+        import torch.distributed as dist
+
+        plugins = self.config.pluginmanager
+        collector: ReportCollector | None = plugins.get_plugin("gradref-report")
+        coverage: DeviceCoverage | None = plugins.get_plugin("gradref-device-coverage")
+        assert collector is not None, "registered by plugin.pytest_configure"
+        assert coverage is not None, "registered by plugin.pytest_configure"
+        mine = (collector.records, coverage.devices())
+        gathered: list[tuple[list[dict[str, Any]], list[str]] | None] | None = None
+        if self.launched.rank == 0:
+            gathered = [None] * self.launched.world_size
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            ranks = [g if g is not None else ([], []) for g in gathered]
+            collector.merge_ranks(
+                [records for records, _ in ranks],
+                [device for _, devices in ranks for device in devices],
+            )
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.launched.rank != 0:
+            for line in self.deferred:
+                terminalreporter.write_line(f"gradref: {line}")
         if self.launched.rank != 0 or not self._counts:
             return
         terminalreporter.section("gradref ranks (launcher)")

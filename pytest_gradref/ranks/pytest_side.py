@@ -387,6 +387,7 @@ def merge_recordings(target: Recording, results: Sequence[RankResult]) -> None:
         recording = result.recording
         if recording is None:
             continue
+        target.ranks = [*(target.ranks or []), result.rank]
         prefix = f"rank {result.rank}: "
         target.checks.extend(replace(c, label=prefix + c.label) for c in recording.checks)
         target.disagreements.extend(

@@ -74,6 +74,9 @@ class Recording:
     reseeded: bool | None = None
     # Each reference's sampled inputs, in order (None: no fingerprint).
     inputs: list[SampledInputs | None] = field(default_factory=list)
+    # The ranks whose items the record holds, each labelled "rank r: ..." (a multi-rank
+    # test's); None for a test that ran in one process.
+    ranks: list[int] | None = None
     # The worst finished example while another one runs; None outside an example.
     _kept: (
         tuple[list[ItemCheck], list[Disagreement], list[str], list[SampledInputs | None]] | None

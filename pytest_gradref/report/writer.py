@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,8 @@ def record_for_test(nodeid: str, resolution: Resolution, recording: Recording) -
         "crosscheck_opt_out": recording.crosscheck_opt_out,
         # The aux items that assert_close(aux=UNCHECKED) left uncompared, by label.
         "aux_unchecked": list(recording.aux_unchecked),
+        # A multi-rank test's ranks, whose items are labelled "rank r: ..." (None: one process).
+        "ranks": recording.ranks,
         # The golden dtype requested and the one fn returned, where fn cast it down.
         "golden_obtained": (
             None
@@ -135,6 +138,42 @@ def _write_atomically(path: Path, text: str) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def merge_rank_records(by_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The records of a launched run's ranks (``by_rank[r]`` rank r's) as one run's: a test's
+    items from every rank that recorded it, each labelled with its rank ("rank 1: gradient of
+    argument 0 (x)"), as a spawned multi-rank test's record holds them; the test failed where
+    any rank failed it."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rank, records in enumerate(by_rank):
+        prefix = f"rank {rank}: "
+        for record in records:
+            test = merged.setdefault(
+                record["nodeid"],
+                {
+                    **record,
+                    "items": [],
+                    "crosscheck": [],
+                    "aux_unchecked": [],
+                    "inputs": [],
+                    "strategies": [],
+                    "ranks": [],
+                },
+            )
+            test["items"] += [{**i, "label": prefix + i["label"]} for i in record["items"]]
+            test["crosscheck"] += [
+                {**d, "label": prefix + d["label"]} for d in record["crosscheck"]
+            ]
+            test["aux_unchecked"] += [prefix + label for label in record["aux_unchecked"]]
+            test["inputs"] += record["inputs"]
+            test["strategies"] = sorted({*test["strategies"], *record["strategies"]})
+            test["ranks"].append(rank)
+            if record["outcome"] == "failed":
+                test["outcome"] = "failed"
+            for field in ("crosscheck_opt_out", "golden_obtained"):
+                test[field] = test[field] or record[field]
+    return list(merged.values())
+
+
 class ReportCollector:
     """A plugin object that gathers the records on the process that reports (controller)."""
 
@@ -150,6 +189,10 @@ class ReportCollector:
         self.coverage = coverage
         self.simulated = simulated
         self.records: list[dict[str, Any]] = []
+        # A launched run's world size and its ranks' devices, once rank 0 holds every rank's
+        # records (merge_ranks); None in a run of one process.
+        self.world_size: int | None = None
+        self.rank_devices: list[str] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = report.__dict__.get(RECORD_ATTRIBUTE)
@@ -163,6 +206,15 @@ class ReportCollector:
             return
         document = {**self.run_fields(session.config), "tests": self.tests()}
         _write_atomically(self.path, json.dumps(document, indent=2) + "\n")
+
+    def merge_ranks(
+        self, by_rank: Sequence[Sequence[dict[str, Any]]], devices: Iterable[str]
+    ) -> None:
+        """Hold every rank's records of a launched run (``by_rank[r]`` rank r's), and the
+        devices they ran on, as one run's."""
+        self.records = merge_rank_records(by_rank)
+        self.world_size = len(by_rank)
+        self.rank_devices = sorted(set(devices))
 
     def tests(self) -> list[dict[str, Any]]:
         """The records of the run's tests, as the report holds them."""
@@ -182,7 +234,9 @@ class ReportCollector:
             # The session's device; under xdist each worker's may differ (npu:0, npu:1): the
             # devices that tests ran on are "devices", and each test's is in its record.
             "device": resolved.label if resolved is not None else None,
-            "devices": self.coverage.devices(),
+            "devices": self.rank_devices or self.coverage.devices(),
+            # Under a launcher, how many ranks' records the report holds (None: one process).
+            "world_size": self.world_size,
             "backend": resolved.backend.name if resolved is not None else None,
             "strategy": resolved.effective_strategy() if resolved is not None else None,
             # The backend's default rather than an option's choice: two runs on devices with

@@ -3,9 +3,16 @@ xdist, and ``--gradref-baseline-fail``'s exit status."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from pytest_gradref.config.settings import BASELINE_REGRESSION_EXIT
+from pytest_gradref.report.device_coverage import DeviceCoverage
+from pytest_gradref.report.diff import Report, compare_reports, parse_report
+from pytest_gradref.report.writer import ReportCollector
 
 # A kernel whose gradient is off by a relative error the environment sets: the test passes at
 # 2.5e-8 and at 1e-7 (float64's default tolerance is rtol = atol = 1e-7), but its error, some
@@ -358,3 +365,36 @@ def test_a_test_that_records_no_items_is_not_ungated(
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(["against *base.json: 9 items compared, 0 regressions *"])
     assert "not in the baseline" not in result.stdout.str()
+
+
+def test_a_launched_runs_records_gate_as_one(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, baseline: str
+) -> None:
+    """Under a launcher rank 0 merges every rank's records (merge_ranks) before its report and
+    gate read them: a regression on rank 1 alone is one, named by its rank."""
+    monkeypatch.setenv("KERNEL_SKEW", "1e-7")
+    pytester.runpytest("--gradref-device=cpu", "--gradref-report=grown.json").assert_outcomes(
+        passed=3
+    )
+    base = json.loads(Path(baseline).read_text())
+    grown = json.loads((pytester.path / "grown.json").read_text())
+
+    def launched(by_rank: list[list[dict[str, Any]]]) -> Report:
+        collector = ReportCollector(None, base["base_seed"], DeviceCoverage(strict=False))
+        collector.merge_ranks(by_rank, ["cpu"] * len(by_rank))
+        assert collector.world_size == len(by_rank)
+        return parse_report({**base, "world_size": 2, "tests": collector.tests()}, "run")
+
+    diff = compare_reports(
+        launched([base["tests"], base["tests"]]), launched([base["tests"], grown["tests"]])
+    )
+    assert len(diff.items) == 18  # 9 items on each of two ranks
+    regressed = {(item.nodeid, item.label) for item in diff.regressions}
+    assert regressed == {
+        (f"test_kernels.py::test_kernel[{n}]", "rank 1: gradient of argument 0 (x)")
+        for n in (3, 5, 7)
+    }
+    # A test one rank failed is failed in the merged record; the ranks are listed.
+    failed = [dict(record, outcome="failed") for record in base["tests"]]
+    record = launched([base["tests"], failed]).tests["test_kernels.py::test_kernel[3]"]
+    assert (record["outcome"], record["ranks"]) == ("failed", [0, 1])

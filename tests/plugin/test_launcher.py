@@ -222,10 +222,20 @@ def _check_two_ranks(path: Path, output: str) -> None:
     assert "rank 1: 2 failed, 2 passed, 2 skipped" in output
 
 
+NONE = "test_tp.py::test_vocab_parallel[none]"
+ITEMS = ("value", "gradient of argument 0 (x)")  # and w's shard, named by rank
+
+
 def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_tp=TENSOR_PARALLEL)
-    done, output = _two_ranks(pytester.path, "-rs", "--gradref-report=report.json")
+    # A baseline with the test but none of its items: the gate says how many items this run
+    # has, which counts every rank's.
+    empty = {"format_version": 3, "tests": [{"nodeid": NONE, "items": []}]}
+    (pytester.path / "baseline.json").write_text(json.dumps(empty))
+    done, output = _two_ranks(
+        pytester.path, "-rs", "--gradref-report=report.json", "--gradref-baseline=baseline.json"
+    )
     assert done.returncode != 0, output
     assert "torchrun: rank 0 of 2 (local rank 0, node 0)" in output
     assert "torchrun: rank 1 of 2 (local rank 1, node 0)" in output
@@ -238,12 +248,26 @@ def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> 
         "Skipped: [gradref] gradref_ranks(1) runs on ranks 0 to 0 of the 2 the launcher "
         "started; this is rank 1"
     ) in text
-    # Each rank writes its own report, of the items it checked.
-    for rank in (0, 1):
-        report = json.loads((pytester.path / f"report.rank{rank}.json").read_text())
-        checked = {test["nodeid"].partition("::")[2] for test in report["tests"]}
-        assert "test_vocab_parallel[none]" in checked
-    assert not (pytester.path / "report.json").exists()
+    # Rank 0 writes one report of every rank's items, each labelled with its rank, as a
+    # spawned multi-rank test's record holds them; the other rank says so.
+    report = json.loads((pytester.path / "report.json").read_text())
+    assert report["world_size"] == 2
+    tests = {test["nodeid"]: test for test in report["tests"]}
+    assert tests[NONE]["ranks"] == [0, 1]
+    assert [item["label"] for item in tests[NONE]["items"]] == [
+        f"rank {rank}: {what}"
+        for rank, rows in ((0, "[0:3]"), (1, "[3:6]"))
+        for what in (*ITEMS, f"gradient of argument 1 (w), shard {rank} of 2 along dim 0 {rows}")
+    ]
+    assert tests[NONE]["outcome"] == "passed"
+    assert tests[NONE.replace("none", "missing_all_reduce")]["outcome"] == "failed"
+    assert not list(pytester.path.glob("report.rank*"))
+    assert output.count("gradref report written to report.json") == 1
+    assert "gradref: rank 0 writes every rank's records to report.json" in output
+    # Rank 0 gates them all; the other rank says so.
+    assert output.count("nothing judged against baseline.json") == 1
+    assert f"{NONE}: 0 in baseline.json, {2 * (len(ITEMS) + 1)} in this run" in output
+    assert "gradref: rank 0 gates every rank's records on baseline.json" in output
     for rank in (0, 1):
         assert (
             "gradref_ranks(3) needs 3 ranks; the launcher started 2"
