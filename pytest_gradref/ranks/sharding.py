@@ -7,8 +7,10 @@ the full tensors, as anywhere, and returns a ``ShardedReference``: the full refe
 ``assert_close`` compares the kernel's local gradients with their slice of it. It is
 Reference.assert_close on the sliced reference, so the dtype's tolerances, the golden and its
 budget, the aux and the report apply unchanged; a sliced item's label says which slice it is.
-A DTensor gradient is compared shard by shard, its local shard against the slice its placement
-names, and gathered only with ``gather=True``.
+A DTensor gradient is compared shard by shard, its local shard against the slice its placements
+name, on a device mesh of any dimensions, and gathered only with ``gather=True``. A plain
+gradient of a multi-dimensional mesh's layer says its placements the same way:
+``shards={"w": (Replicate(), Shard(0))}, mesh=mesh``.
 
 Every rank computes the full reference itself rather than rank 0 broadcasting it: the ranks do
 it side by side (the wall time of one reference), nothing large crosses the collective library,
@@ -16,7 +18,8 @@ and a broken collective (often what the test is about) cannot corrupt the refere
 is judged against. The ranks draw the same full tensors because they run under the same seed.
 
 Which slice a rank holds follows DTensor's ``Shard(dim)``: ``torch.chunk`` pieces of
-ceil(size / ranks), the last ones shorter or empty.
+ceil(size / ranks), the last ones shorter or empty; on a mesh of several dimensions each
+dimension's Shard cuts the piece the earlier ones left, by the rank's coordinate along it.
 """
 
 from __future__ import annotations
@@ -45,24 +48,81 @@ _SPEC_HELP = (
 
 @dataclass(frozen=True)
 class Cut:
-    """Piece ``index`` of ``count`` along ``dim``, as DTensor's Shard(dim) cuts a tensor."""
+    """Piece ``index`` of ``count`` along ``dim``, as DTensor's Shard(dim) cuts a tensor;
+    ``then`` cuts that piece again, as the next dimension of a device mesh does (a DTensor
+    placed (Shard(0), Shard(1)) on a 2-D mesh)."""
 
     dim: int
     index: int
     count: int
+    then: Cut | None = None
 
     def bounds(self, size: int) -> tuple[int, int]:
+        """This cut's piece of ``size`` elements (``then`` left aside)."""
         step = -(-size // self.count)  # torch.chunk's piece size
         start = min(self.index * step, size)
         return start, min(start + step, size)
 
     def apply(self, tensor: torch.Tensor) -> torch.Tensor:
         start, end = self.bounds(tensor.shape[self.dim])
-        return tensor.narrow(self.dim, start, end - start)
+        piece = tensor.narrow(self.dim, start, end - start)
+        return piece if self.then is None else self.then.apply(piece)
 
-    def describe(self, size: int) -> str:
-        start, end = self.bounds(size)
-        return f"shard {self.index} of {self.count} along dim {self.dim} [{start}:{end}]"
+    def chain(self) -> tuple[Cut, ...]:
+        """This cut and those after it, each without its ``then``."""
+        rest = () if self.then is None else self.then.chain()
+        return (replace(self, then=None), *rest)
+
+    def describe(self, shape: Sequence[int]) -> str:
+        """The piece of a tensor of ``shape``, in the whole tensor's indices."""
+        starts, sizes = [0] * len(shape), list(shape)
+        parts = []
+        for cut in self.chain():
+            start, end = cut.bounds(sizes[cut.dim])
+            begin, size = starts[cut.dim] + start, end - start
+            parts.append(
+                f"shard {cut.index} of {cut.count} along dim {cut.dim} [{begin}:{begin + size}]"
+            )
+            starts[cut.dim], sizes[cut.dim] = begin, size
+        return " then ".join(parts)
+
+
+def mesh_cut(
+    placements: Sequence[Any], mesh: Any, shape: Sequence[int], label: str, where: str
+) -> Cut | None:
+    """The cut of this rank's piece of the ``label`` of ``shape`` that ``placements``
+    (one per dimension of the device ``mesh``) place: each Shard(dim) cuts the piece the
+    mesh's earlier dimensions left, by this rank's coordinate along its own; None where every
+    placement replicates."""
+    __tracebackhide__ = True
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{where} has {len(placements)} placement(s) for a {mesh.ndim}-D device mesh; give "
+            "one per mesh dimension, e.g. (Shard(0), Replicate()) on a 2-D mesh"
+        )
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError(f"{where}: this rank is not in the device mesh {mesh}")
+    cuts = []
+    for axis, placement in enumerate(placements):
+        dim = placement_dim(placement, f"{where}[{axis}]")
+        if dim is not None:
+            _check_dim(dim, shape, label, f"{where}[{axis}]")
+            cuts.append(Cut(dim % len(shape), coordinate[axis], mesh.size(axis)))
+    cut = None
+    for outer in reversed(cuts):
+        cut = replace(outer, then=cut)
+    return cut
+
+
+def _check_dim(dim: int, shape: Sequence[int], label: str, where: str) -> None:
+    __tracebackhide__ = True
+    ndim = len(shape)
+    if not -ndim <= dim < max(ndim, 1):
+        raise ValueError(
+            f"{where}={dim}: the {label} has {ndim} dimension(s), shape {tuple(shape)}, so "
+            f"the dimension must be in {-ndim}..{ndim - 1}"
+        )
 
 
 @dataclass(frozen=True)
@@ -82,9 +142,13 @@ def _arg_grads(reference: Reference) -> tuple[torch.Tensor, ...]:
     return grads if isinstance(grads, tuple) else (grads,)
 
 
-def resolve_shards(spec: ShardSpec, reference: Reference, rank: int, world_size: int) -> Cuts:
-    """The cuts a ``shards=`` mapping asks for; a ValueError that names a key or value that
-    does not fit the reference."""
+def resolve_shards(
+    spec: ShardSpec, reference: Reference, rank: int, world_size: int, mesh: Any = None
+) -> Cuts:
+    """The cuts a ``shards=`` mapping asks for: a dimension or placement cuts the test's ranks
+    in order, a placement per dimension of ``mesh`` (a DeviceMesh) cuts by this rank's
+    coordinates on it; a ValueError that names a key or value that does not fit the
+    reference."""
     __tracebackhide__ = True
     if not isinstance(spec, Mapping):
         raise TypeError(f"{_SPEC_HELP}; got {spec!r}")
@@ -117,21 +181,39 @@ def resolve_shards(spec: ShardSpec, reference: Reference, rank: int, world_size:
             raise ValueError(f"shards= names the {label} twice ({seen[label]!r} and {key!r})")
         seen[label] = key
         grad = reference.param_grads[str(key)] if is_param else grads[positions[0]]
-        dim = placement_dim(value, f"shards[{key!r}]")
-        if dim is None:
+        cut = _spec_cut(value, grad, label, rank, world_size, mesh, f"shards[{key!r}]")
+        if cut is None:
             continue
-        if not -grad.dim() <= dim < max(grad.dim(), 1):
-            raise ValueError(
-                f"shards[{key!r}]={dim}: the {label} has {grad.dim()} dimension(s), "
-                f"shape {tuple(grad.shape)}, so the dimension must be in "
-                f"{-grad.dim()}..{grad.dim() - 1}"
-            )
-        cut = Cut(dim % grad.dim(), rank, world_size)
         if is_param:
             params[str(key)] = cut
         else:
             args[positions[0]] = cut
     return Cuts(tuple(args), params)
+
+
+def _spec_cut(
+    value: Any,
+    grad: torch.Tensor,
+    label: str,
+    rank: int,
+    world_size: int,
+    mesh: Any,
+    where: str,
+) -> Cut | None:
+    """The cut one ``shards=`` value names for a gradient shaped as ``grad``."""
+    __tracebackhide__ = True
+    if isinstance(value, (tuple, list)):
+        if mesh is None:
+            raise ValueError(
+                f"{where}={value!r} is a placement per device mesh dimension: pass the mesh "
+                "too, grad_reference(..., shards=..., mesh=mesh), so this rank's piece is known"
+            )
+        return mesh_cut(value, mesh, grad.shape, label, where)
+    dim = placement_dim(value, where)
+    if dim is None:
+        return None
+    _check_dim(dim, grad.shape, label, where)
+    return Cut(dim % grad.dim(), rank, world_size)
 
 
 def placement_dim(value: Any, where: str) -> int | None:
@@ -153,6 +235,12 @@ def placement_dim(value: Any, where: str) -> int | None:
             "gradient. Reduce it first (dist.all_reduce, or DTensor.redistribute to "
             "Replicate() or Shard(dim)), then compare"
         )
+    if kind == "_StridedShard":
+        raise ValueError(
+            f"{where} is {value!r}: a strided shard (a dimension sharded by two mesh "
+            "dimensions out of order, as FSDP2 over TP does), which is not cut here; compare "
+            "the gradient whole with assert_close(..., gather=True)"
+        )
     raise ValueError(f"{where} is {value!r}; {_SPEC_HELP}")
 
 
@@ -163,7 +251,7 @@ def slice_reference(full: Reference, cuts: Cuts) -> Reference:
     grads = _arg_grads(full)
     arg_cuts = [cuts.arg(i) for i in range(len(grads))]
     labels = tuple(
-        label if cut is None else f"{label}, {cut.describe(grad.shape[cut.dim])}"
+        label if cut is None else f"{label}, {cut.describe(grad.shape)}"
         for label, grad, cut in zip(full.grad_labels, grads, arg_cuts)
     )
 
@@ -216,7 +304,7 @@ def _cut(tensor: torch.Tensor, cut: Cut | None) -> torch.Tensor:
 
 def param_key(name: str, full: torch.Tensor, cut: Cut | None) -> str:
     """A parameter's name, with its slice where it is cut (which labels its item)."""
-    return name if cut is None else f"{name}, {cut.describe(full.shape[cut.dim])}"
+    return name if cut is None else f"{name}, {cut.describe(full.shape)}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -326,21 +414,19 @@ def _local(grad: Any, cut: Cut | None, label: str, gather: bool) -> tuple[Any, C
         return grad, cut
     if gather:
         return grad.full_tensor(), None
-    mesh = grad.device_mesh
-    if mesh.ndim != 1:
+    placements = tuple(grad.placements)
+    own = mesh_cut(placements, grad.device_mesh, grad.shape, label, "its DTensor placements")
+    if cut is not None and _pieces(own) != _pieces(cut):
         raise ValueError(
-            f"assert_close(): the {label} is a DTensor on a {mesh.ndim}-D device mesh; shard "
-            "by shard compares 1-D meshes: pass gather=True to compare it whole"
-        )
-    (placement,) = grad.placements
-    dim = placement_dim(placement, f"the {label}'s DTensor placement")
-    own = None if dim is None else Cut(dim % grad.dim(), mesh.get_local_rank(), mesh.size())
-    if cut is not None and (own is None or own.dim != cut.dim):
-        raise ValueError(
-            f"assert_close(): shards= cuts the {label} along dim {cut.dim}, but its DTensor is "
-            f"placed {placement}; drop the shards= entry (the placement says it) or fix it"
+            f"assert_close(): shards= cuts the {label} as {_pieces(cut)} (dimension, piece, "
+            f"pieces), but its DTensor is placed {placements}, which cuts it as {_pieces(own)}; "
+            "drop the shards= entry (the placements say it) or fix it"
         )
     return grad.to_local(), own
+
+
+def _pieces(cut: Cut | None) -> list[tuple[int, int, int]]:
+    return [] if cut is None else [(c.dim, c.index, c.count) for c in cut.chain()]
 
 
 @dataclass(frozen=True)
@@ -357,22 +443,37 @@ class RankGradReference(GradReference):
         return cls(**values, rank=rank, world_size=world_size)
 
     def __call__(
-        self, fn: Any, /, *args: Any, shards: ShardSpec | None = None, **options: Any
+        self,
+        fn: Any,
+        /,
+        *args: Any,
+        shards: ShardSpec | None = None,
+        mesh: Any = None,
+        **options: Any,
     ) -> ShardedReference:
-        """grad_reference(fn, *args, shards=None, **options): the reference on the full
-        tensors; ``shards`` says which gradients each rank holds a slice of (see ShardSpec)."""
+        """grad_reference(fn, *args, shards=None, mesh=None, **options): the reference on the
+        full tensors; ``shards`` says which gradients each rank holds a slice of (see
+        ShardSpec), ``mesh`` the DeviceMesh whose dimensions a tuple of placements follows."""
         __tracebackhide__ = True
-        return self._sharded(super().__call__(fn, *args, **options), shards)
+        return self._sharded(super().__call__(fn, *args, **options), shards, mesh)
 
     def kernel(
-        self, fn: Any, /, *args: Any, shards: ShardSpec | None = None, **options: Any
+        self,
+        fn: Any,
+        /,
+        *args: Any,
+        shards: ShardSpec | None = None,
+        mesh: Any = None,
+        **options: Any,
     ) -> ShardedReference:
-        """grad_reference.kernel(fn, *args, shards=None, **options), likewise."""
+        """grad_reference.kernel(fn, *args, shards=None, mesh=None, **options), likewise."""
         __tracebackhide__ = True
-        return self._sharded(super().kernel(fn, *args, **options), shards)
+        return self._sharded(super().kernel(fn, *args, **options), shards, mesh)
 
-    def _sharded(self, reference: Reference, shards: ShardSpec | None) -> ShardedReference:
+    def _sharded(
+        self, reference: Reference, shards: ShardSpec | None, mesh: Any
+    ) -> ShardedReference:
         __tracebackhide__ = True
-        cuts = resolve_shards(shards or {}, reference, self.rank, self.world_size)
+        cuts = resolve_shards(shards or {}, reference, self.rank, self.world_size, mesh)
         values = {f.name: getattr(reference, f.name) for f in fields(Reference)}
         return ShardedReference(**values, cuts=cuts, rank=self.rank, world_size=self.world_size)

@@ -123,6 +123,7 @@ def test_an_unnamed_argument_is_suggested_by_its_argnums_position() -> None:
         ({"w": 2}, r"shards\['w'\]=2: the gradient of argument 1 \(w\) has 2 dimension"),
         ({"w": 0, 1: 1}, r"shards= names the gradient of argument 1 \(w\) twice"),
         ({"w": "rows"}, r"shards\['w'\] is 'rows'; shards= maps an argument"),
+        ({"w": (0, None)}, r"is a placement per device mesh dimension: pass the mesh too"),
     ],
 )
 def test_a_bad_shard_spec_says_what_is_valid(shards: dict[object, object], message: str) -> None:
@@ -131,12 +132,68 @@ def test_a_bad_shard_spec_says_what_is_valid(shards: dict[object, object], messa
         _rank(0)(loss, x, w, argnums=(0, 1), shards=shards)
 
 
+def test_a_cut_of_a_cut_is_named_in_the_whole_tensors_indices() -> None:
+    # (Shard(0), Shard(0)) on a 2 x 2 mesh, coordinate (1, 0): rows 4:8, then the first half.
+    nested = Cut(0, 1, 2, then=Cut(0, 0, 2))
+    assert nested.apply(torch.arange(8)).tolist() == [4, 5]
+    assert (
+        nested.describe((8,))
+        == "shard 1 of 2 along dim 0 [4:8] then shard 0 of 2 along dim 0 [4:6]"
+    )
+    across = Cut(0, 1, 2, then=Cut(1, 1, 3))
+    assert across.apply(torch.arange(24).reshape(4, 6)).tolist() == [[14, 15], [20, 21]]
+
+
+class Mesh2D:
+    """What the sharding reads of a DeviceMesh: its dimensions, their sizes, this rank's
+    coordinate (rank r of 4 at (r // 2, r % 2), row-major as init_device_mesh lays it out)."""
+
+    ndim = 2
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def size(self, axis: int) -> int:
+        return 2
+
+    def get_coordinate(self) -> list[int]:
+        return [self.rank // 2, self.rank % 2]
+
+
+def test_placements_on_a_2d_mesh_cut_by_the_ranks_coordinates() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    # Data parallel along the mesh's first dimension (rows of x), tensor parallel along its
+    # second (rows of w): each rank compares its data rows' x gradient and its w rows' one.
+    x, w = torch.randn(8, 8), torch.randn(6, 8)
+    shards = {"x": (Shard(0), Replicate()), "w": (Replicate(), Shard(0))}
+    for rank in range(4):
+        dp, tp = divmod(rank, 2)
+        ref = _rank(rank, 4)(loss, x, w, argnums=(0, 1), shards=shards, mesh=Mesh2D(rank))
+        assert torch.equal(ref.local.grads[0], ref.grads[0][4 * dp : 4 * dp + 4])
+        assert torch.equal(ref.local.grads[1], ref.grads[1][3 * tp : 3 * tp + 3])
+        assert ref.local.grad_labels[1] == (
+            f"gradient of argument 1 (w), shard {tp} of 2 along dim 0 [{3 * tp}:{3 * tp + 3}]"
+        )
+    with pytest.raises(ValueError, match=r"has 1 placement\(s\) for a 2-D device mesh"):
+        _rank(0, 4)(loss, x, w, argnums=(0, 1), shards={"w": (Shard(0),)}, mesh=Mesh2D(0))
+
+
 def test_a_partial_placement_is_refused() -> None:
     from torch.distributed.tensor import Partial
 
     x, w = _inputs()
     with pytest.raises(ValueError, match=r"is Partial\(\): a partial sum on each rank"):
         _rank(0)(loss, x, w, argnums=(0, 1), shards={"w": Partial()})
+
+
+def test_a_strided_shard_is_refused_with_the_fix() -> None:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    x, w = _inputs()
+    strided = _StridedShard(0, split_factor=2)
+    with pytest.raises(ValueError, match=r"a strided shard .* gather=True"):
+        _rank(0, 4)(loss, x, w, argnums=(0, 1), shards={"w": (strided, strided)}, mesh=Mesh2D(0))
 
 
 def test_module_parameters_and_goldens_are_sliced_too() -> None:
@@ -220,6 +277,98 @@ def test_dtensor(gradref_rank, grad_reference, gather):
     assert wd.grad.placements == (Shard(0),)
     ref.assert_close(out.full_tensor(), (gx, wd.grad), gather=gather)
 """
+
+
+MESH_2D = """
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+
+def layer_loss(x, w):
+    return torch.tanh(x @ w.T).square().sum()
+
+
+@pytest.mark.parametrize("bug", ["none", "wrong_group"])
+@pytest.mark.gradref_ranks(4)
+def test_dp_tp_layer(gradref_rank, grad_reference, bug):
+    # Data parallel along the mesh's first dimension (rows of x), tensor parallel along its
+    # second (rows of w, the layer's output features).
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, w = torch.randn(8, 16), torch.randn(6, 16)
+    shards = {"x": (Shard(0), Replicate()), "w": (Replicate(), Shard(0))}
+    ref = grad_reference(layer_loss, x, w, argnums=(0, 1), shards=shards, mesh=mesh)
+    dp, tp = mesh.get_coordinate()
+    xl = x.chunk(2)[dp].clone().requires_grad_()
+    wl = w.chunk(2)[tp].clone().requires_grad_()
+    out = layer_loss(xl, wl)
+    out.backward()
+    total = out.detach().clone()
+    dist.all_reduce(total)
+    gx = xl.grad
+    dist.all_reduce(gx, group=mesh.get_group("tp"))  # every output feature's share
+    gw = wl.grad
+    # w's gradient sums over the data: its all-reduce belongs to the data-parallel group.
+    dist.all_reduce(gw, group=mesh.get_group("tp" if bug == "wrong_group" else "dp"))
+    ref.assert_close(total, (gx, gw))
+
+
+@pytest.mark.gradref_ranks(4)
+def test_dtensors_on_a_2d_mesh(gradref_rank, grad_reference):
+    mesh = init_device_mesh("cpu", (2, 2))
+    x, w = torch.randn(8, 16), torch.randn(6, 16)
+    ref = grad_reference(layer_loss, x, w, argnums=(0, 1))  # the placements say the pieces
+    xd = distribute_tensor(x, mesh, [Shard(0), Replicate()]).requires_grad_()
+    wd = distribute_tensor(w, mesh, [Replicate(), Shard(0)]).requires_grad_()
+    out = layer_loss(xd, wd)
+    out.backward()
+    gx = xd.grad.redistribute(mesh, [Shard(0), Replicate()])
+    gw = wd.grad.redistribute(mesh, [Replicate(), Shard(0)])
+    ref.assert_close(out.full_tensor(), (gx, gw))
+"""
+
+
+def test_a_dp_by_tp_layer_on_a_2d_mesh_in_four_ranks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_mesh=MESH_2D)
+    result = pytester.runpytest(
+        "-p", "no:randomly", "--gradref-report=report.json", "--gradref-device=cpu"
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    # The w gradient reduced over the tensor-parallel group is wrong on every rank.
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_dp_tp_layer[[]wrong_group[]] _*",
+            "gradref_ranks(4) on cpu (gloo): rank ? failed (AssertionError); *",
+            "E       - gradient of argument 1 (w), shard ? of 2 along dim 0 [[]?:?[]]:",
+        ]
+    )
+    report = json.loads((pytester.path / "report.json").read_text())
+    tests = {test["nodeid"].partition("::")[2]: test for test in report["tests"]}
+    failed = {
+        item["label"]
+        for item in tests["test_dp_tp_layer[wrong_group]"]["items"]
+        if not item["passed"]
+    }
+    assert failed == {
+        f"rank {rank}: gradient of argument 1 (w), shard {rank % 2} of 2 along dim 0 "
+        f"[{3 * (rank % 2)}:{3 * (rank % 2) + 3}]"
+        for rank in range(4)
+    }
+    for name in ("test_dp_tp_layer[none]", "test_dtensors_on_a_2d_mesh"):
+        labels = [item["label"] for item in tests[name]["items"]]
+        assert labels == [
+            f"rank {rank}: {what}"
+            for rank in range(4)
+            for what in (
+                "value",
+                f"gradient of argument 0 (x), shard {rank // 2} of 2 along dim 0 "
+                f"[{4 * (rank // 2)}:{4 * (rank // 2) + 4}]",
+                f"gradient of argument 1 (w), shard {rank % 2} of 2 along dim 0 "
+                f"[{3 * (rank % 2)}:{3 * (rank % 2) + 3}]",
+            )
+        ], name
 
 
 def test_sharded_gradients_in_two_ranks(pytester: pytest.Pytester) -> None:
