@@ -263,6 +263,31 @@ def test_the_spread_is_reproducible_and_leaves_the_test_rng_alone() -> None:
     assert len(set(errors)) == RUNS
 
 
+def masked_loss(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """A loss over the kept rows only (a mask of 0 and 1 in x's dtype, as ignored labels
+    give): the gradient of every other row is an exact zero."""
+    return (torch.tanh(x.float()) * keep[:, None].float()).square().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_exact_zeros_stay_zero_in_the_randomly_rounded_runs(dtype: torch.dtype) -> None:
+    # A zero result is exact: no correct computation rounds it. Dithered at a step of its
+    # dtype "at its magnitude" (frexp's exponent of 0 is 0), each masked gradient entry became
+    # noise of up to 2**-9 in bf16, and the spread allowance of the item grew with it.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 32, generator=gen).to(dtype)
+    keep = (torch.rand(64, generator=gen) < 0.5).to(dtype)
+    ref = reference(masked_loss, x, keep)
+    assert ref.golden is not None
+    assert ref.golden.spread is not None
+    runs = ref.golden.spread.results()
+    masked = keep == 0
+    for run in runs:
+        assert torch.count_nonzero(run.arg_grads[0][masked]) == 0
+    # and the kept rows are rounded, run by run
+    assert len({float(run.arg_grads[0][~masked].double().sum()) for run in runs}) > 1
+
+
 # --- a golden in float64 whatever the reference casts to ------------------------------------
 
 
