@@ -388,6 +388,36 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
     assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_skips_the_all_reduce', output)
 
 
+def test_a_crashed_rank_ends_the_job_naming_it(pytester: pytest.Pytester) -> None:
+    # Rank 1's process dies in the test (a kernel's segfault would): torchrun
+    # (--max-restarts=0) ends the job, rank 0 waiting in the all-reduce included, and names
+    # the rank and its signal; nothing reads as a pass.
+    pytester.makepyfile(
+        test_tp="""
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.gradref_ranks(2)
+def test_rank_1_crashes(gradref_rank):
+    if gradref_rank.rank == 1:
+        os.kill(os.getpid(), signal.SIGABRT)
+    dist.all_reduce(torch.ones(1))
+"""
+    )
+    start = time.monotonic()
+    status, output = _forked_two_ranks(pytester.path)
+    assert status != 0
+    assert time.monotonic() - start < 60, output
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s+exitcode\s*:\s*-6", output), output
+    assert "Signal 6 (SIGABRT)" in output, output
+    assert " passed" not in output
+
+
 def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
     pytester: pytest.Pytester,
 ) -> None:
