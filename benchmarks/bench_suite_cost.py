@@ -9,7 +9,8 @@ cheapest mode (``--gradref-verdict=tolerance``: torch.testing's tolerances, no g
 Each mode runs once, as one pytest run with ``--junitxml`` (file order: pytest-randomly off).
 Printed per mode: the wall time of the run, the outcome counts, and the test-seconds (each
 test's setup + call + teardown, so pytest's and torch's start-up are left out). The ratio is
-taken over the tests that passed in both runs, beside the ratio of the wall times: the tests
+taken over the tests that passed in both runs, beside the ratio of the wall times, and the
+default's extra test-seconds are broken down by test function (what bounds the ratio); the tests
 that give an explicit budget skip in the cheapest mode, saying so, and the kernels that
 torch.testing's default tolerances fail there (bf16 mostly) are left out. Exits 1 when the
 default run fails.
@@ -34,6 +35,7 @@ from _bench_util import git_commit
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"default": [], "tolerance": ["--gradref-verdict=tolerance"]}
+SHOWN = 5  # test functions named in the breakdown of the default's extra time
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,20 @@ def run_suite(mode: str, args: argparse.Namespace, out: Path) -> SuiteRun:
     return SuiteRun(wall, done.returncode, junit_outcomes(junit))
 
 
+def print_where_it_goes(default: SuiteRun, cheapest: SuiteRun, both: list[str]) -> None:
+    """The default's extra test-seconds by test function, the largest first: what bounds the
+    suite's ratio."""
+    extra: dict[str, float] = {}
+    for test in both:
+        function = test.split("[", 1)[0].rsplit(".", 1)[-1]
+        extra[function] = extra.get(function, 0.0) + default.outcomes[test][1]
+        extra[function] -= cheapest.outcomes[test][1]
+    total = sum(extra.values())
+    print(f"where the default's {total:+.1f} test-seconds go, by test function (the largest five):")
+    for function, seconds in sorted(extra.items(), key=lambda pair: -pair[1])[:SHOWN]:
+        print(f"  {seconds:+.1f} s  {function}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", default=["tests/kernels", "tests/adopters"])
@@ -130,6 +146,7 @@ def main() -> int:
         f"{default_seconds / cheapest_seconds:.3f}x; wall {default.wall:.1f} / "
         f"{cheapest.wall:.1f} s = {default.wall / cheapest.wall:.3f}x"
     )
+    print_where_it_goes(default, cheapest, both)
     if cheapest.count("failed"):
         # The suites are written for the default verdict: the cheapest mode's tolerances
         # (torch.testing's defaults) fail kernels that the golden's budget passes, mostly bf16.

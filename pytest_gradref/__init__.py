@@ -8,7 +8,7 @@ The face (this module, ``plugin``, ``hookspecs``, ``warning_types``, ``__main__`
 six wings, one subpackage per concern. Imports at load run one way between them, in this
 order: ``config``, ``devices``, ``verdict``, ``reference``, ``report``, ``ranks``; a wing
 imports only the wings before it (and ``warning_types``, a leaf), and no package module
-imports another in a circle (``tests/plugin/test_layout.py`` holds both).
+imports another in a circle (``tests/repo/test_layout.py`` holds both).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ PACKAGES = {
 }
 HEAVY = ("torch", "triton", "numpy")
 # The subpackages (wings) of a package, in the order they import one another at load
-# (tests/plugin/test_layout.py holds it: a wing imports only the wings before it).
+# (tests/repo/test_layout.py holds it: a wing imports only the wings before it).
 WINGS = {"pytest_gradref": ("config", "devices", "verdict", "reference", "report", "ranks")}
 
 

@@ -51,7 +51,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 # Machine epsilon by dtype name, a complex dtype's that of its real part: torch.finfo's, held
 # without torch, for the verdict (verdict/dtypes.py) and for reading reports (report/diff.py)
-# alike. tests/plugin/test_diff.py holds it to torch.finfo.
+# alike. tests/plugin/report/test_diff.py holds it to torch.finfo.
 EPSILONS = {
     "float16": 2.0**-10,
     "bfloat16": 2.0**-7,

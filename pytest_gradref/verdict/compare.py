@@ -455,7 +455,7 @@ def difference(actual: torch.Tensor, expected: torch.Tensor) -> tuple[torch.Tens
 # An item whose share of the tolerance used, computed in float64, lies above 1 or within this
 # many rounding steps of the promoted dtype below it gets torch.testing's own verdict: isclose
 # in bfloat16 or float16 rounds |a - e| and atol + rtol * |e| by up to a step each, so the two
-# part near the limit (tests/plugin/test_assert_close.py finds such pairs).
+# part near the limit (tests/plugin/verdict/test_assert_close.py finds such pairs).
 _CONFIRM_STEPS = 4
 
 
@@ -783,7 +783,7 @@ def spread_factor(values: Sequence[float], budget: float) -> tuple[float, float]
     of those magnitudes, at least the budget: a criterion that is nearly the same in every run
     (the norm of a large gradient's error) gets the budget; one as variable as a single
     rounding error (a scalar, a sum that cancels, a scale) gets about 7, which a correct
-    scalar exceeds less than once in 1e5 with 16 runs (tests/plugin/test_verdict_noise.py
+    scalar exceeds less than once in 1e5 with 16 runs (tests/plugin/verdict/test_verdict_noise.py
     simulates the rate). (NaN, NaN) without finite runs."""
     finite = [abs(v) for v in values if math.isfinite(v)]
     if not finite:

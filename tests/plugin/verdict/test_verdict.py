@@ -3,7 +3,7 @@ less precise inputs, a budget of 2 judged greatest and normwise, a floor at the 
 conditioning, and the dtype check; and the tolerance verdict it replaces as the default.
 
 The numerical cases call ``compute_reference`` as the ``grad_reference`` fixture does under
-each verdict (``reference`` below); the settings, the marker and the report go through a
+each verdict (``_verdict_calls.reference``); the settings, the marker and the report go through a
 pytest run.
 """
 
@@ -11,51 +11,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from _verdict_calls import failure, reference
 
-from pytest_gradref import Reference, compute_reference
-from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy
 from pytest_gradref.verdict.compare import BudgetItem, check_items
 
 VERDICTS = ("golden", "tolerance")
 F32_EPS = torch.finfo(torch.float32).eps
-
-
-def reference(
-    fn: Callable[..., Any],
-    *args: Any,
-    verdict: str = "golden",
-    argnums: Any = 0,
-    has_aux: bool = False,
-    **kwargs: Any,
-) -> Reference:
-    """fn's reference as grad_reference computes it under ``verdict`` (plugin.py): the golden
-    verdict gives a float64 golden where the compute dtype is less precise, and the budget
-    assert_close uses where the test gives no tolerance."""
-    golden = verdict == "golden"
-    policy = CheckPolicy(backend="cpu", default_budget=DEFAULT_BUDGET if golden else None)
-    return compute_reference(
-        fn,
-        args,
-        {},
-        argnums=argnums,
-        has_aux=has_aux,
-        strategy="autograd",
-        default_strategy="autograd",
-        policy=policy,
-        default_golden=torch.float64 if golden else None,
-        **kwargs,
-    )
-
-
-def failure(ref: Reference, *args: Any, **kwargs: Any) -> str:
-    """assert_close's failure message (it must fail)."""
-    with pytest.raises(AssertionError) as raised:
-        ref.assert_close(*args, **kwargs)
-    return str(raised.value)
 
 
 # --- a systematic error spread thinly over a low-precision gradient -------------------------

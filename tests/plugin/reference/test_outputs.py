@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_verdict import failure
+from _verdict_calls import failure
 
 from pytest_gradref import Reference, compute_reference
 from pytest_gradref.config.strategies import Strategy

@@ -277,7 +277,7 @@ def test_on_worker_device(i, gradref_device, worker_id, grad_reference):
     )
 
 
-KERNEL_TESTS = Path(__file__).resolve().parents[1] / "kernels" / "test_fused_linear_jsd.py"
+KERNEL_TESTS = Path(__file__).resolve().parents[2] / "kernels" / "test_fused_linear_jsd.py"
 
 
 @needs_simulation

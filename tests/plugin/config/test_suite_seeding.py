@@ -168,7 +168,7 @@ def test_a_baseline_without_fingerprints_refuses_another_seed_before_any_test(
 
 def test_a_committed_format_2_report_still_loads() -> None:
     # Written by the H200 run before input fingerprints (format 3) existed.
-    path = Path(__file__).parents[2] / "benchmarks/results/reports/kernels-h200-cuda-verdict.json"
+    path = Path(__file__).parents[3] / "benchmarks/results/reports/kernels-h200-cuda-verdict.json"
     baseline = diff_module.load_report(path)
     assert baseline.format_version == 2
     assert diff_module.mismatches(baseline, baseline) == []

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from test_verdict import failure, reference
+from _verdict_calls import failure, reference
 
 from pytest_gradref import GoldenPrecisionWarning, ZeroGradientWarning
 
