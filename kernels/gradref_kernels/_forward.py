@@ -45,14 +45,22 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def new_gradients(
-    x: Tensor, weight: Tensor, *, need_grad_x: bool, need_grad_weight: bool, need_grad_bias: bool
+    x: Tensor,
+    weight: Tensor,
+    *,
+    need_grad_x: bool,
+    need_grad_weight: bool,
+    need_grad_bias: bool,
+    grad_x_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """The buffers of the input, weight and bias gradients (None where not needed), in the
     dtypes and shapes the forward pass returns them in: the chunk loop fills them, and the
     custom operator's fake implementation returns them as they are, made of fake tensors, so
-    the two cannot disagree."""
+    the two cannot disagree. ``grad_x_dtype``: the input gradient's, where it is not the
+    unsharded loss's (the vocab-parallel loss keeps a float32 share for backward's sum)."""
     acc_dtype = work_dtype(x.dtype)
-    grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
+    if grad_x_dtype is None:
+        grad_x_dtype = x.dtype if input_grad_is_mean(x.dtype) else torch.float32
     grad_x = torch.empty(x.shape, dtype=grad_x_dtype, device=x.device) if need_grad_x else None
     # The first chunk overwrites the weight-gradient sum, so it needs no zeroing pass, unless
     # there are no rows at all.
@@ -64,6 +72,14 @@ def new_gradients(
         torch.zeros(weight.shape[0], dtype=acc_dtype, device=x.device) if need_grad_bias else None
     )
     return grad_x, grad_weight, grad_bias
+
+
+def summed(parts: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The chunks' partial sums of a loss, summed at the end (not in a running float32
+    scalar); zero where there were no chunks."""
+    if not parts:
+        return torch.zeros((), dtype=dtype, device=device)
+    return _chunk_torch.accurate_sum(torch.stack(parts))
 
 
 def chunked_forward(
@@ -195,13 +211,8 @@ def chunked_forward(
     if grad_x is not None:
         grad_x.masked_fill_(~valid.unsqueeze(1), 0.0)
 
-    def total(parts: list[Tensor]) -> Tensor:
-        # Summed at the end, not in a running float32 scalar.
-        if not parts:
-            return torch.zeros((), dtype=acc_dtype, device=device)
-        return _chunk_torch.accurate_sum(torch.stack(parts)) * inv_num_valid
-
-    soft, hard = total(soft_parts), total(hard_parts)
+    soft = summed(soft_parts, acc_dtype, device) * inv_num_valid
+    hard = summed(hard_parts, acc_dtype, device) * inv_num_valid
     # The float32 weight-gradient sum waits for backward, which scales it by
     # grad_output / num_valid and rounds it once.
     return ForwardResult(

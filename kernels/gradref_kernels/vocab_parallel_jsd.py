@@ -62,20 +62,24 @@ row counts, labels in the full vocabulary) is checked after the first all-reduce
 the host, as a ValueError on every rank; elsewhere on the device (``torch._assert_async``), so
 that nothing waits for the host.
 
-No postponed annotations in this module: torch.library reads the operators' annotations at run
-time, where Python 3.9 has no ``X | None``.
+Split as the unsharded loss is: the per-chunk math with its all-reduces
+(``_vocab_parallel_chunk``), the vocabulary layout and the chunk loop
+(``_vocab_parallel_forward``, sharing ``_forward``'s dtype rule, gradient buffers and sum of
+parts), the two custom operators (``_vocab_parallel_ops``), and here the autograd Function and
+the public API.
 """
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 from torch import Tensor
 
-from ._chunk_torch import accurate_sum
-from ._matmuls import accumulate_product_, compute_logits, dense, mixed_matmul
 from ._ops import scaled_cast_op
 from ._options import LossOptions
-from ._validation import check_label_range, check_options, check_tensors
+from ._validation import check_options, check_tensors
+from ._vocab_parallel_ops import vocab_parallel_forward_op, vocab_parallel_input_grad_op
 from .fused_linear_jsd import LossOptionsModule
 
 if TYPE_CHECKING:
@@ -84,35 +88,12 @@ if TYPE_CHECKING:
 __all__ = ["VocabParallelFusedLinearJSDLoss", "vocab_parallel_fused_linear_jsd"]
 
 LossOutput = Union[Tensor, tuple[Tensor, Tensor, Tensor]]
-ForwardOutputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 # --------------------------------------------------------------------------- the process group
 
 
-class _Group:
-    """The process group an operator names, and the all-reduces of the loss."""
-
-    def __init__(self, group_name: str) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        # Operators take strings, not ProcessGroup objects: the group travels by its name.
-        # (torch's functional collectives resolve their group names the same way.)
-        self.group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[attr-defined,arg-type]
-        self.rank = dist.get_rank(self.group)
-        self.size = dist.get_world_size(self.group)
-
-    def sum_(self, tensor: Tensor) -> Tensor:
-        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.SUM, group=self.group)
-        return tensor
-
-    def max_(self, tensor: Tensor) -> Tensor:
-        self.dist.all_reduce(tensor, op=self.dist.ReduceOp.MAX, group=self.group)
-        return tensor
-
-
-def _group_name(group: Optional["ProcessGroup"], caller: str) -> str:
+def _group_name(group: ProcessGroup | None, caller: str) -> str:
     """The name of ``group`` (None: the default group), or a RuntimeError saying how to get one."""
     import torch.distributed as dist
 
@@ -131,394 +112,6 @@ def _group_name(group: Optional["ProcessGroup"], caller: str) -> str:
     return str(group.group_name)
 
 
-def _all_reduce_input_gradient(total: Tensor, group: _Group) -> None:
-    """Sums the ranks' shares of the input gradient (a separate function so that a test can
-    plant the bug of leaving it out)."""
-    group.sum_(total)
-
-
-# --------------------------------------------------------------------------- the vocabulary layout
-
-
-def _vocabulary_offset(
-    vocab: int, teacher_vocab: int, labels: Tensor, ignore_index: int, group: _Group
-) -> Union[int, Tensor]:
-    """The first vocabulary index this rank holds: the rows of the ranks before it, from one
-    all-reduce of every rank's shapes. Checks the labels against the full vocabulary and the
-    row counts against each other: on the host where that is free (the CPU) or the device has
-    no asynchronous assert, on the device otherwise."""
-    rows = labels.shape[0]
-    layout = torch.zeros(group.size, 3, dtype=torch.int64, device=labels.device)
-    layout[group.rank, 0] = vocab
-    layout[group.rank, 1] = teacher_vocab
-    layout[group.rank, 2] = rows
-    group.sum_(layout)
-    if labels.device.type != "cpu":
-        total = layout[:, 0].sum()
-        in_range = ((labels >= 0) & (labels < total)) | (labels == ignore_index)
-        consistent = (layout[:, 0] == layout[:, 1]).all() & (layout[:, 2] == rows).all()
-        try:
-            torch._assert_async(
-                in_range.all() & consistent,
-                "vocab-parallel JSD: true_labels outside the full vocabulary, or ranks with "
-                "different row counts or student/teacher vocabulary slices",
-            )
-            offset: Tensor = layout[: group.rank, 0].sum()
-            return offset
-        except NotImplementedError:
-            pass
-    sizes, teacher_sizes, counts = (list(column) for column in zip(*layout.tolist()))
-    if sizes != teacher_sizes:
-        raise ValueError(
-            "student_weight and teacher_weight must hold the same vocabulary rows on every rank, "
-            f"got student rows {sizes} and teacher rows {teacher_sizes} by rank"
-        )
-    if len(set(counts)) > 1:
-        raise ValueError(
-            f"student_input has {counts} rows by rank: the hidden states and true_labels must "
-            "be the same (replicated) on every rank of the group"
-        )
-    check_label_range(labels.cpu(), sum(sizes), ignore_index)
-    return int(sum(sizes[: group.rank]))
-
-
-# --------------------------------------------------------------------------- the per-chunk math
-
-
-def _local_labels(labels: Tensor, offset: Union[int, Tensor], vocab: int) -> tuple[Tensor, Tensor]:
-    """(held, index): which rows' labels fall in this rank's slice, and their column there
-    (0 for the others, so that gather and scatter stay in range), each (n, 1)."""
-    column = labels - offset
-    held = (column >= 0) & (column < vocab)
-    return held.unsqueeze(1), torch.where(held, column, 0).unsqueeze(1)
-
-
-def _chunk_(
-    student: Tensor,
-    teacher: Optional[Tensor],
-    labels: Tensor,
-    offset: Union[int, Tensor],
-    grad_dtype: torch.dtype,
-    group: _Group,
-    options: LossOptions,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk of ``n`` rows: (soft_rows, hard_rows, grad_logits).
-
-    ``student`` (n, v) and ``teacher`` (n, v) float32 (float64) raw logits of this rank's
-    vocabulary slice, used as scratch; ``teacher`` None when the soft loss is not computed.
-    ``soft_rows`` (n,) is this rank's share of each row's soft loss (summed over the ranks
-    later), ``hard_rows`` (n,) each row's full hard loss (the same on every rank);
-    ``grad_logits`` (n, v) in ``grad_dtype`` is d(summed loss)/dlogits of this slice. As in
-    :func:`gradref_kernels._chunk_torch.jsd_chunk_`, rows whose label is ``ignore_index`` get
-    unspecified (finite) values, which the caller drops.
-    """
-    beta, temperature = options.beta, options.temperature
-    weight_hard, weight_soft = options.weight_hard, options.weight_soft
-    compute_hard = options.compute_hard
-    vocab = student.shape[1]
-    held, column = _local_labels(labels, offset, vocab)
-
-    # Round 1: the row maxima over the full vocabulary (max(z / tau) = max(z) / tau, tau > 0).
-    maxima = [student.amax(1)] + ([] if teacher is None else [teacher.amax(1)])
-    row_max = group.max_(torch.stack(maxima)).unsqueeze(2)
-    student.sub_(row_max[0])
-    # The label's shifted logit, from the rank that holds it (zero elsewhere).
-    label_logit = torch.where(held, student.gather(1, column), 0.0).squeeze(1)
-
-    if teacher is None:  # the hard loss alone: softmax(z) over the student logits in place
-        prob = student.exp_()
-        sums = group.sum_(torch.stack([prob.sum(1), label_logit]))
-        hard_rows = sums[0].log() - sums[1]
-        grad = prob.mul_((weight_hard / sums[0]).unsqueeze(1))
-        grad.scatter_add_(1, column, torch.where(held, -weight_hard, 0.0).to(grad.dtype))
-        return torch.zeros_like(hard_rows), hard_rows, grad.to(grad_dtype)
-
-    work = torch.empty_like(student)
-    shared = options.shares_softmax(vocab, vocab)  # temperature 1: softmax(z) is S
-    # The unscaled shifted student logits, kept for the hard loss's softmax.
-    hard_logits = student.clone() if compute_hard and not shared else None
-    if temperature != 1.0:
-        student.mul_(1.0 / temperature)
-    teacher.sub_(row_max[1])
-    if temperature != 1.0:
-        teacher.mul_(1.0 / temperature)
-    # Round 2: the sum-exps of the shifted (and scaled) logits, and the label's logit.
-    partial = [torch.exp(student, out=work).sum(1), torch.exp(teacher, out=work).sum(1)]
-    if hard_logits is not None:
-        partial.append(torch.exp(hard_logits, out=work).sum(1))
-    if compute_hard:
-        partial.append(label_logit)
-    sums = group.sum_(torch.stack(partial))
-    log_sum_exp = sums[: 2 + (hard_logits is not None)].log().unsqueeze(2)
-    log_s = student.sub_(log_sum_exp[0])
-    log_t = teacher.sub_(log_sum_exp[1])
-    prob_hard = None
-    if hard_logits is not None:
-        prob_hard = hard_logits.sub_(log_sum_exp[2]).exp_()
-    # The hard loss's log-sum-exp is S's at temperature 1, its own otherwise.
-    hard_log_sum_exp = log_sum_exp[0 if hard_logits is None else 2, :, 0]
-    hard_rows = (hard_log_sum_exp - sums[-1]) if compute_hard else torch.zeros_like(sums[0])
-
-    # The soft loss from d = log T - log S, as _chunk_torch._slice_ builds it (see there): the
-    # row sums here are this rank's shares; K, the sum over the row that the gradient needs,
-    # is round 3.
-    shared_hard = weight_hard if shared and compute_hard else 0.0
-    diff = torch.sub(log_t, log_s, out=work)
-    if beta == 0.0:
-        # KL(T||S) = sum(T d) + sum(S - T); gradient (S - T) / tau.
-        prob_t = log_t.exp_()
-        soft_rows = torch.nansum(diff.mul_(prob_t), 1)
-        prob_s = log_s.exp_()
-        last_term = torch.sub(prob_s, prob_t, out=prob_t)
-        soft_rows += last_term.sum(1)
-        grad = prob_s.mul_(shared_hard)
-        last_scale = weight_soft / temperature
-    elif beta == 1.0:
-        # KL(S||T) = -sum(S d) - sum(S - T); gradient S * (K - d) / tau, K = sum(S d).
-        prob_s = log_s.exp_()
-        s_minus_t = torch.sub(prob_s, log_t.exp_(), out=log_t)
-        diff.clamp_min_(torch.finfo(diff.dtype).min)
-        last_term = diff.mul_(prob_s)
-        k_rows = last_term.sum(1)
-        soft_rows = -k_rows - s_minus_t.sum(1)
-        grad_scale = weight_soft / temperature
-        grad = prob_s.mul_(group.sum_(k_rows).mul_(grad_scale).add_(shared_hard).unsqueeze(1))
-        last_scale = -grad_scale
-    else:
-        # beta sum(T d) - sum(S L) - sum(S L b), L = log1p(b), b = beta expm1(d); gradient
-        # (1 - beta) / tau * S * (K - L), K = sum(S L).
-        soft_rows = torch.nansum(log_t.exp_().mul_(diff), 1).mul_(beta)
-        prob_s = log_s.exp_()
-        mix_ratio = diff.expm1_().mul_(beta)
-        last_term = torch.special.xlog1py(prob_s, mix_ratio, out=log_t)
-        k_rows = last_term.sum(1)
-        soft_rows -= k_rows + mix_ratio.mul_(last_term).sum(1)
-        grad_scale = weight_soft * (1.0 - beta) / temperature
-        grad = prob_s.mul_(group.sum_(k_rows).mul_(grad_scale).add_(shared_hard).unsqueeze(1))
-        last_scale = -grad_scale
-
-    if compute_hard and weight_hard != 0.0:
-        grad.scatter_add_(1, column, torch.where(held, -weight_hard, 0.0).to(grad.dtype))
-        if prob_hard is not None:
-            grad.add_(prob_hard, alpha=weight_hard)
-    # The last op writes the gradient, rounded once to the matmul dtype where it differs.
-    if grad_dtype == grad.dtype:
-        return soft_rows, hard_rows, grad.add_(last_term, alpha=last_scale)
-    grad_logits = torch.empty(grad.shape, dtype=grad_dtype, device=grad.device)
-    torch.add(grad, last_term, alpha=last_scale, out=grad_logits)
-    return soft_rows, hard_rows, grad_logits
-
-
-# --------------------------------------------------------------------------- the chunk loop
-
-
-def _masked_total(rows: Tensor, valid: Tensor) -> Tensor:
-    """The sum over the valid rows; torch.where so that an ignored row's value cannot turn it
-    into NaN."""
-    return accurate_sum(torch.where(valid, rows, 0.0))
-
-
-def _forward(
-    x: Tensor,
-    weight: Tensor,
-    teacher_x: Tensor,
-    teacher_weight: Tensor,
-    labels: Tensor,
-    bias: Optional[Tensor],
-    teacher_bias: Optional[Tensor],
-    *,
-    options: LossOptions,
-    chunk_size: int,
-    compute_soft: bool,
-    group: _Group,
-    need_grad_x: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-) -> ForwardOutputs:
-    """The losses and this rank's gradients, ``chunk_size`` rows at a time (see the module
-    docstring); the input gradient is this rank's float32 share, summed in backward."""
-    device = x.device
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    offset = _vocabulary_offset(
-        weight.shape[0], teacher_weight.shape[0], labels, options.ignore_index, group
-    )
-    valid = labels != options.ignore_index
-    inv_num_valid = valid.sum().clamp_min(1).to(acc_dtype).reciprocal()
-    kept_rows = valid.unsqueeze(1).to(x.dtype)
-    # The logit gradient goes into the matmuls in the matmul dtype where the device multiplies
-    # that into float32 (CUDA); elsewhere the products run on float32 operands, so it stays
-    # float32 (no rounding, no conversion pass).
-    mixed = mixed_matmul(device.type, x.dtype) and acc_dtype == torch.float32
-    grad_dtype = weight.dtype if mixed else acc_dtype
-    weight_acc = weight.to(acc_dtype) if need_grad_x and not mixed else weight
-
-    grad_x = torch.empty(x.shape, dtype=acc_dtype, device=device) if need_grad_x else None
-    # The first chunk overwrites the weight gradient's sum: no zeroing pass unless no rows.
-    new_sum = torch.empty if x.shape[0] > 0 else torch.zeros
-    grad_weight = None
-    if need_grad_weight:
-        grad_weight = new_sum(weight.shape, dtype=acc_dtype, device=device)
-    grad_bias = None
-    if need_grad_bias:
-        grad_bias = torch.zeros(weight.shape[0], dtype=acc_dtype, device=device)
-    soft_parts: list[Tensor] = []
-    hard_parts: list[Tensor] = []
-
-    for start in range(0, x.shape[0], chunk_size):
-        end = min(start + chunk_size, x.shape[0])
-        student = compute_logits(x[start:end], weight, bias, acc_dtype)
-        teacher = None
-        if compute_soft:
-            teacher = compute_logits(teacher_x[start:end], teacher_weight, teacher_bias, acc_dtype)
-        soft_rows, hard_rows, grad_logits = _chunk_(
-            student, teacher, labels[start:end], offset, grad_dtype, group, options
-        )
-        del student, teacher
-        chunk_valid = valid[start:end]
-        soft_parts.append(_masked_total(soft_rows, chunk_valid))
-        hard_parts.append(_masked_total(hard_rows, chunk_valid))
-        if grad_bias is not None:
-            grad_logits.mul_(kept_rows[start:end].to(grad_logits.dtype))
-            grad_bias.add_(grad_logits.sum(dim=0, dtype=acc_dtype))
-        if grad_x is not None:
-            if mixed:
-                torch.mm(grad_logits, weight, out_dtype=torch.float32, out=grad_x[start:end])
-            else:
-                torch.mm(grad_logits, weight_acc, out=grad_x[start:end])
-        if grad_weight is not None:
-            x_kept = x[start:end] * kept_rows[start:end]
-            accumulate_product_(
-                grad_weight, grad_logits.t(), x_kept.to(grad_logits.dtype), first=start == 0
-            )
-        del grad_logits
-
-    def total(parts: list[Tensor]) -> Tensor:
-        if not parts:
-            return torch.zeros((), dtype=acc_dtype, device=device)
-        return accurate_sum(torch.stack(parts))
-
-    # The hard loss is every rank's already; the soft loss's shares are summed.
-    soft = group.sum_(total(soft_parts)) * inv_num_valid
-    hard = total(hard_parts) * inv_num_valid
-    if grad_x is not None:
-        grad_x.masked_fill_(~valid.unsqueeze(1), 0.0)
-    # An operator returns tensors only, none twice: a gradient not computed is an empty one.
-    return (
-        options.weight_hard * hard + options.weight_soft * soft,
-        soft,
-        hard,
-        inv_num_valid,
-        x.new_empty(0) if grad_x is None else grad_x,
-        x.new_empty(0) if grad_weight is None else grad_weight,
-        x.new_empty(0) if grad_bias is None else grad_bias,
-    )
-
-
-# --------------------------------------------------------------------------- the operators
-
-
-@torch.library.custom_op("gradref_kernels::vocab_parallel_forward", mutates_args=())
-def vocab_parallel_forward_op(
-    x: Tensor,
-    weight: Tensor,
-    teacher_x: Tensor,
-    teacher_weight: Tensor,
-    labels: Tensor,
-    bias: Optional[Tensor],
-    teacher_bias: Optional[Tensor],
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
-    compute_soft: bool,
-    chunk_size: int,
-    group_name: str,
-    need_grad_x: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-) -> ForwardOutputs:
-    """The chunk loop with its collectives: ``(loss, soft, hard, inv_num_valid, grad_x,
-    grad_weight, grad_bias)``, grad_x this rank's float32 share, a gradient that is not
-    needed an empty tensor."""
-    return _forward(
-        dense(x),
-        dense(weight),
-        dense(teacher_x),
-        dense(teacher_weight),
-        labels,
-        bias,
-        teacher_bias,
-        options=LossOptions(
-            beta=beta,
-            temperature=temperature,
-            ignore_index=ignore_index,
-            weight_hard=weight_hard,
-            weight_soft=weight_soft,
-            compute_hard=compute_hard,
-        ),
-        chunk_size=chunk_size,
-        compute_soft=compute_soft,
-        group=_Group(group_name),
-        need_grad_x=need_grad_x,
-        need_grad_weight=need_grad_weight,
-        need_grad_bias=need_grad_bias,
-    )
-
-
-@vocab_parallel_forward_op.register_fake
-def _(
-    x: Tensor,
-    weight: Tensor,
-    teacher_x: Tensor,
-    teacher_weight: Tensor,
-    labels: Tensor,
-    bias: Optional[Tensor],
-    teacher_bias: Optional[Tensor],
-    beta: float,
-    temperature: float,
-    ignore_index: int,
-    weight_hard: float,
-    weight_soft: float,
-    compute_hard: bool,
-    compute_soft: bool,
-    chunk_size: int,
-    group_name: str,
-    need_grad_x: bool,
-    need_grad_weight: bool,
-    need_grad_bias: bool,
-) -> ForwardOutputs:
-    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    scalar = x.new_empty((), dtype=acc_dtype)
-    return (
-        scalar,
-        torch.empty_like(scalar),
-        torch.empty_like(scalar),
-        torch.empty_like(scalar),
-        x.new_empty(x.shape, dtype=acc_dtype) if need_grad_x else x.new_empty(0),
-        x.new_empty(weight.shape, dtype=acc_dtype) if need_grad_weight else x.new_empty(0),
-        x.new_empty(weight.shape[:1], dtype=acc_dtype) if need_grad_bias else x.new_empty(0),
-    )
-
-
-@torch.library.custom_op("gradref_kernels::vocab_parallel_input_grad", mutates_args=())
-def vocab_parallel_input_grad_op(
-    share: Tensor, scale: Tensor, dtype: torch.dtype, group_name: str
-) -> Tensor:
-    """The input gradient: every rank's float32 ``share`` times ``scale``, summed over the
-    ranks, rounded once to ``dtype``. ``share`` is left as it is (a second backward, with
-    ``retain_graph=True``, reduces it again)."""
-    total = share * scale.to(share.dtype)
-    _all_reduce_input_gradient(total, _Group(group_name))
-    return total if total.dtype == dtype else total.to(dtype)
-
-
-@vocab_parallel_input_grad_op.register_fake
-def _(share: Tensor, scale: Tensor, dtype: torch.dtype, group_name: str) -> Tensor:
-    return share.new_empty(share.shape, dtype=dtype)
-
-
 # --------------------------------------------------------------------------- autograd
 
 
@@ -534,8 +127,8 @@ class VocabParallelJSDFunction(torch.autograd.Function):
         teacher_x: Tensor,
         teacher_weight: Tensor,
         labels: Tensor,
-        bias: Optional[Tensor],
-        teacher_bias: Optional[Tensor],
+        bias: Tensor | None,
+        teacher_bias: Tensor | None,
         options: LossOptions,
         chunk_size: int,
         group_name: str,
@@ -556,12 +149,7 @@ class VocabParallelJSDFunction(torch.autograd.Function):
             labels,
             bias,
             teacher_bias,
-            options.beta,
-            options.temperature,
-            options.ignore_index,
-            options.weight_hard,
-            options.weight_soft,
-            options.compute_hard,
+            *options.as_op_args(),
             compute_soft,
             chunk_size,
             group_name,
@@ -577,7 +165,7 @@ class VocabParallelJSDFunction(torch.autograd.Function):
         return loss, soft, hard
 
     @staticmethod
-    def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad_loss: Tensor, *_: Any) -> tuple[Tensor | None, ...]:
         inv_num_valid, grad_x, grad_weight, grad_bias = ctx.saved_tensors
         # A 0-dim product on the device: no host sync, whatever grad_loss is.
         scale = grad_loss * inv_num_valid
@@ -612,8 +200,8 @@ def vocab_parallel_fused_linear_jsd(
     teacher_input: Tensor,
     teacher_weight: Tensor,
     true_labels: Tensor,
-    student_bias: Optional[Tensor] = None,
-    teacher_bias: Optional[Tensor] = None,
+    student_bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
     weight_hard_loss: float = 0.5,
     weight_soft_loss: float = 0.5,
     beta: float = 0.5,
@@ -623,7 +211,7 @@ def vocab_parallel_fused_linear_jsd(
     chunk_size: int = 1024,
     return_soft_hard_loss: bool = False,
     *,
-    group: Optional["ProcessGroup"] = None,
+    group: ProcessGroup | None = None,
     implementation: str = "auto",
 ) -> LossOutput:
     """:func:`gradref_kernels.fused_linear_jsd` with the LM heads sharded along the vocabulary.
@@ -739,7 +327,7 @@ class VocabParallelFusedLinearJSDLoss(LossOptionsModule):
         chunk_size: int = 1024,
         return_soft_hard_loss: bool = False,
         *,
-        group: Optional["ProcessGroup"] = None,
+        group: ProcessGroup | None = None,
         implementation: str = "auto",
     ) -> None:
         super().__init__(
@@ -762,8 +350,8 @@ class VocabParallelFusedLinearJSDLoss(LossOptionsModule):
         teacher_input: Tensor,
         teacher_weight: Tensor,
         true_labels: Tensor,
-        student_bias: Optional[Tensor] = None,
-        teacher_bias: Optional[Tensor] = None,
+        student_bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
     ) -> LossOutput:
         """The loss (or ``(loss, soft_loss, hard_loss)``) of
         :func:`vocab_parallel_fused_linear_jsd`."""

@@ -29,7 +29,7 @@ import torch
 from gradref_kernels import _ops
 from gradref_kernels._ops import chunked_forward_op, scaled_cast_op
 from gradref_kernels._options import LossOptions
-from gradref_kernels.vocab_parallel_jsd import (
+from gradref_kernels._vocab_parallel_ops import (
     vocab_parallel_forward_op,
     vocab_parallel_input_grad_op,
 )
