@@ -235,6 +235,26 @@ def loss(x, w):
     return torch.tanh(x @ w.T).square().sum()
 
 
+# The passing tests first: a pool does not outlive a failure.
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.gradref_ranks(2)
+def test_dtensor(gradref_rank, grad_reference, gather):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(4, 8)
+    w = torch.randn(6, 8)
+    ref = grad_reference(loss, x, w, argnums=(0, 1))  # the placement says how w is sharded
+    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    xd = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    out = loss(xd, wd)
+    out.full_tensor().backward()
+    gx = xd.grad.redistribute(mesh, [Replicate()])
+    assert wd.grad.placements == (Shard(0),)
+    ref.assert_close(out.full_tensor(), (gx, wd.grad), gather=gather)
+
+
 @pytest.mark.parametrize("bug", ["none", "wrong_shard", "rank_1_only"])
 @pytest.mark.gradref_ranks(2)
 def test_vocab_parallel(gradref_rank, gradref_device, grad_reference, bug):
@@ -259,23 +279,6 @@ def test_vocab_parallel(gradref_rank, gradref_device, grad_reference, bug):
     ref.assert_close(total.to(out.dtype), (gx.to(x.dtype), gw))
 
 
-@pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.gradref_ranks(2)
-def test_dtensor(gradref_rank, grad_reference, gather):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2,))
-    x = torch.randn(4, 8)
-    w = torch.randn(6, 8)
-    ref = grad_reference(loss, x, w, argnums=(0, 1))  # the placement says how w is sharded
-    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
-    xd = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
-    out = loss(xd, wd)
-    out.full_tensor().backward()
-    gx = xd.grad.redistribute(mesh, [Replicate()])
-    assert wd.grad.placements == (Shard(0),)
-    ref.assert_close(out.full_tensor(), (gx, wd.grad), gather=gather)
 """
 
 
@@ -289,6 +292,21 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 def layer_loss(x, w):
     return torch.tanh(x @ w.T).square().sum()
+
+
+# The failing case runs last: a pool does not outlive a failure, and four new ranks cost seconds.
+@pytest.mark.gradref_ranks(4)
+def test_dtensors_on_a_2d_mesh(gradref_rank, grad_reference):
+    mesh = init_device_mesh("cpu", (2, 2))
+    x, w = torch.randn(8, 16), torch.randn(6, 16)
+    ref = grad_reference(layer_loss, x, w, argnums=(0, 1))  # the placements say the pieces
+    xd = distribute_tensor(x, mesh, [Shard(0), Replicate()]).requires_grad_()
+    wd = distribute_tensor(w, mesh, [Replicate(), Shard(0)]).requires_grad_()
+    out = layer_loss(xd, wd)
+    out.backward()
+    gx = xd.grad.redistribute(mesh, [Shard(0), Replicate()])
+    gw = wd.grad.redistribute(mesh, [Replicate(), Shard(0)])
+    ref.assert_close(out.full_tensor(), (gx, gw))
 
 
 @pytest.mark.parametrize("bug", ["none", "wrong_group"])
@@ -315,18 +333,6 @@ def test_dp_tp_layer(gradref_rank, grad_reference, bug):
     ref.assert_close(total, (gx, gw))
 
 
-@pytest.mark.gradref_ranks(4)
-def test_dtensors_on_a_2d_mesh(gradref_rank, grad_reference):
-    mesh = init_device_mesh("cpu", (2, 2))
-    x, w = torch.randn(8, 16), torch.randn(6, 16)
-    ref = grad_reference(layer_loss, x, w, argnums=(0, 1))  # the placements say the pieces
-    xd = distribute_tensor(x, mesh, [Shard(0), Replicate()]).requires_grad_()
-    wd = distribute_tensor(w, mesh, [Replicate(), Shard(0)]).requires_grad_()
-    out = layer_loss(xd, wd)
-    out.backward()
-    gx = xd.grad.redistribute(mesh, [Shard(0), Replicate()])
-    gw = wd.grad.redistribute(mesh, [Replicate(), Shard(0)])
-    ref.assert_close(out.full_tensor(), (gx, gw))
 """
 
 
