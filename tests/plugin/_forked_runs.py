@@ -19,9 +19,7 @@ interpreter. The zygote freezes what it imported out of the garbage collector's 
 halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
-those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture). ``ForkedPython``
-forks any ``python -m MODULE`` (torchrun's agent), and ``forked_python_executable`` gives a
-launcher an interpreter that forks (torchrun's workers, through its PYTHON_EXEC).
+those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import shlex
 import shutil
 import signal
 import socket
@@ -122,47 +119,6 @@ def run_pytest(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
             raise TimeoutError(f"{timeout} second timeout expired running: {arguments}") from None
-
-
-class ForkedPython:
-    """``python ARGV`` (``-m MODULE ...``) in cwd and env, forked from the zygote, its stdout
-    and stderr written to ``output``: a subprocess.Popen of what a test needs of one."""
-
-    def __init__(
-        self, argv: list[str], *, cwd: str | os.PathLike[str], env: dict[str, str], output: Path
-    ) -> None:
-        self.output = output
-        with open(os.devnull) as devnull, output.open("w") as out:
-            fds = [devnull.fileno(), out.fileno(), out.fileno()]
-            self._connection = _forked_python.request(
-                zygote.socket_path(), argv, fds, env, os.fspath(cwd)
-            )
-        self._answers = self._connection.makefile("rb")
-        self.pid = int(self._answers.readline())
-
-    def wait(self, timeout: float) -> int:
-        """The exit status (negative: the signal that ended it); past timeout the process's
-        group is killed and TimeoutError raised."""
-        self._connection.settimeout(timeout)
-        try:
-            return int(self._answers.readline())
-        except socket.timeout:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
-            raise TimeoutError(f"{timeout} second timeout expired") from None
-        finally:
-            self._answers.close()
-            self._connection.close()
-
-
-def forked_python_executable(folder: Path) -> str:
-    """An executable in folder that starts as Python would, forked from the zygote: for a
-    launcher that takes its workers' interpreter from a variable (torchrun's PYTHON_EXEC)."""
-    executable = folder / "forked-python"
-    command = [sys.executable, "-I", "-S", _forked_python.SCRIPT, zygote.socket_path()]
-    executable.write_text(f'#!/bin/sh\nexec {shlex.join(command)} "$@"\n')
-    executable.chmod(0o755)
-    return str(executable)
 
 
 def runpytest_forked(

@@ -2,11 +2,10 @@
 
 Run as ``python _zygote.py SOCKET``. A request is a connection to the Unix socket SOCKET that
 sends three file descriptors (the new process's stdin, stdout and stderr) with one JSON line:
-the process's ``argv`` (what follows the interpreter on a command line: ``-m MODULE ...`` or
-``-c CODE ...``, either after an optional ``-u``), ``cwd`` and ``env``. For each, the zygote
-forks a waiter, which forks the process, answers its pid, waits for it and answers its exit
-status (negative: the signal that ended it). A client that hangs up before has the process's
-group killed.
+the process's ``argv`` (what follows the interpreter on a command line, ``-m pytest ...`` or
+``-u -c CODE``), ``cwd`` and ``env``. For each, the zygote forks a waiter, which forks the
+process, answers its pid, waits for it and answers its exit status (negative: the signal that
+ended it). A client that hangs up before has the process's group killed.
 
 The process starts as the interpreter would, with torch and torch._dynamo already imported,
 and ends as ``os._exit`` does once the atexit handlers ran (no teardown of the modules).
@@ -110,16 +109,12 @@ def _run(request: dict[str, object], fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(env)
     extra = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    if argv[:1] == ["-u"]:  # unbuffered, as torchrun starts its workers
-        argv = argv[1:]
-        sys.stdout.reconfigure(write_through=True)
-        sys.stderr.reconfigure(write_through=True)
     code = 0
     try:
-        if argv[:1] == ["-m"]:  # -m pytest, -m torch.distributed.run
+        if argv[:2] == ["-m", "pytest"]:
             sys.path[:] = [cwd, *extra, *BASE_PATH]
             sys.argv = ["-m", *argv[2:]]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            runpy.run_module("pytest", run_name="__main__", alter_sys=True)
         else:
             source = argv[argv.index("-c") + 1]
             sys.path[:] = ["", *extra, *BASE_PATH]

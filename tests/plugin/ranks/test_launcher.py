@@ -3,15 +3,11 @@ none (launcher.py).
 
 The parsing and the checks that refuse a session are tested in this process; the rest runs the
 way users launch it: ``torchrun --nproc-per-node=2 -m pytest`` on one host, and two torchrun
-agents that meet over a c10d rendezvous as two nodes would. The first of those runs as a user
-starts it, a new interpreter for torchrun and for each rank; the others fork torchrun's agent
-and its workers from the zygote (_forked_runs.py, the workers through torchrun's PYTHON_EXEC),
-which saves each process its import of torch, and run torchrun's code as it is."""
+agents that meet over a c10d rendezvous as two nodes would."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -21,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-from _forked_runs import ForkedPython, forked_python_executable
 from _pytester_sources import PEER_FAILS_FIRST
 
 from pytest_gradref.ranks.launcher import (
@@ -190,28 +185,6 @@ def _two_ranks(path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
     return done, done.stdout + done.stderr
 
 
-def _forked_torchrun(path: Path, name: str, *args: str) -> ForkedPython:
-    """torchrun ARGS in ``path``, its agent and its workers forked from the zygote (the workers
-    through torchrun's PYTHON_EXEC), its output in ``path / name``: torchrun's own code and
-    processes, each started without importing torch again."""
-    env = {**os.environ, "PYTHON_EXEC": forked_python_executable(path)}
-    agent = ["-m", "torch.distributed.run", "--max-restarts=0", *args]
-    return ForkedPython(agent, cwd=path, env=env, output=path / name)
-
-
-def _forked_two_ranks(path: Path, *args: str) -> tuple[int, str]:
-    """As _two_ranks, forked (_forked_torchrun): the exit status and the output."""
-    agent = _forked_torchrun(
-        path, "torchrun.log", "--standalone", "--nproc-per-node=2", *PYTEST, *args
-    )
-    try:
-        status = agent.wait(timeout=240)
-    except TimeoutError:
-        text = agent.output.read_text()
-        pytest.fail(f"torchrun ran past 240 s; its output so far:\n{text}", pytrace=False)
-    return status, agent.output.read_text()
-
-
 def _outcomes(path: Path, rank: int) -> dict[str, tuple[str, str]]:
     lines = (path / f"outcomes-{rank}.jsonl").read_text().splitlines()
     return {name: (outcome, text) for name, outcome, text in map(json.loads, lines)}
@@ -308,22 +281,26 @@ def test_two_torchrun_agents_meet_as_two_nodes(pytester: pytest.Pytester) -> Non
     pytester.makepyfile(test_tp=TENSOR_PARALLEL)
     port = _free_port()
     agents = [
-        _forked_torchrun(
-            pytester.path,
-            f"agent-{node}.log",
-            "--nnodes=2",
-            f"--node-rank={node}",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=gradref-two-nodes",
-            *PYTEST,
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=gradref-two-nodes",
+                *PYTEST,
+            ),
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in (0, 1)
     ]
-    statuses = [agent.wait(timeout=240) for agent in agents]
-    output = "".join(agent.output.read_text() for agent in agents)
-    assert all(status != 0 for status in statuses), output
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    output = "".join(outputs)
+    assert all(agent.returncode != 0 for agent in agents), output
     # Each agent is a node of its own (torchrun numbers them in the order they join).
     nodes = sorted(
         line.split("node ")[1].rstrip(")")
@@ -349,8 +326,8 @@ if os.environ["RANK"] == "1":
         pass
 """
     )
-    status, output = _forked_two_ranks(pytester.path)
-    assert status != 0
+    done, output = _two_ranks(pytester.path)
+    assert done.returncode != 0
     # Each rank stops with the error, naming the other; torchrun ends the other rank as soon as
     # one exits, so the rank that exits second may be ended before it prints its line.
     lines = [
@@ -377,8 +354,8 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
         dist.all_reduce(torch.ones(1))
 """
     )
-    status, output = _forked_two_ranks(pytester.path)
-    assert status != 0
+    done, output = _two_ranks(pytester.path)
+    assert done.returncode != 0
     assert (
         "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::"
         "test_rank_1_skips_the_all_reduce ran past the rank timeout of 3 s (from its "
@@ -410,8 +387,8 @@ def test_rank_1_crashes(gradref_rank):
 """
     )
     start = time.monotonic()
-    status, output = _forked_two_ranks(pytester.path)
-    assert status != 0
+    done, output = _two_ranks(pytester.path)
+    assert done.returncode != 0
     assert time.monotonic() - start < 60, output
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)\s+exitcode\s*:\s*-6", output), output
     assert "Signal 6 (SIGABRT)" in output, output
@@ -428,9 +405,9 @@ def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
     assert source != PEER_FAILS_FIRST
     pytester.makepyfile(test_tp=source)
     start = time.monotonic()
-    status, output = _forked_two_ranks(pytester.path)
+    done, output = _two_ranks(pytester.path)
     elapsed = time.monotonic() - start
-    assert status != 0
+    assert done.returncode != 0
     assert (
         "torchrun: rank 0 of 2 (local rank 0, node 0): test_tp.py::test_rank_1_fails_first: "
         "rank 1 failed, and this rank was still in the test at its rank timeout of 3 s (from "
