@@ -80,7 +80,7 @@ def accurate_sum(values: Tensor) -> Tensor:
     return torch.where(total.isfinite(), total + correction, total)
 
 
-def _masked_sum(rows: Tensor, valid: Tensor) -> Tensor:
+def masked_sum(rows: Tensor, valid: Tensor) -> Tensor:
     """Sum of the per-row values of the valid rows as a 0-dim tensor.
 
     torch.where rather than a multiplication by the mask, so an ignored row whose loss is inf
@@ -264,10 +264,10 @@ def _chunk_(
     soft_rows = torch.zeros_like(sums[0])
     for coefficient, row_sums in zip(coefficients, sums):
         soft_rows.add_(row_sums, alpha=coefficient)
-    soft_sum = _masked_sum(soft_rows.unsqueeze(1), valid)
+    soft_sum = masked_sum(soft_rows.unsqueeze(1), valid)
     if label_log_p is None:
         return soft_sum, torch.zeros_like(soft_sum)
-    return soft_sum, -_masked_sum(label_log_p, valid)
+    return soft_sum, -masked_sum(label_log_p, valid)
 
 
 def jsd_chunk_(
@@ -344,4 +344,4 @@ def cross_entropy_chunk_(logits: Tensor, labels: Tensor, *, options: LossOptions
     hard_rows = row_max + row_sum.log() - target
     probs.mul_(options.weight_hard / row_sum)
     probs.scatter_add_(1, safe_labels, probs.new_full(safe_labels.shape, -options.weight_hard))
-    return _masked_sum(hard_rows, valid)
+    return masked_sum(hard_rows, valid)

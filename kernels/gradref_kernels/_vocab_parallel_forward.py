@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._chunk_torch import accurate_sum
+from ._chunk_torch import masked_sum
 from ._forward import new_gradients, summed, work_dtype
 from ._matmuls import accumulate_product_, compute_logits, mixed_matmul
 from ._options import LossOptions
@@ -59,12 +59,6 @@ def vocabulary_offset(
         )
     check_label_range(labels.cpu(), sum(sizes), ignore_index)
     return int(sum(sizes[: group.rank]))
-
-
-def _masked_total(rows: Tensor, valid: Tensor) -> Tensor:
-    """The sum over the valid rows; torch.where so that an ignored row's value cannot turn it
-    into NaN."""
-    return accurate_sum(torch.where(valid, rows, 0.0))
 
 
 def chunked_forward(
@@ -125,8 +119,8 @@ def chunked_forward(
         )
         del student, teacher
         chunk_valid = valid[start:end]
-        soft_parts.append(_masked_total(soft_rows, chunk_valid))
-        hard_parts.append(_masked_total(hard_rows, chunk_valid))
+        soft_parts.append(masked_sum(soft_rows, chunk_valid))
+        hard_parts.append(masked_sum(hard_rows, chunk_valid))
         if grad_bias is not None:
             grad_logits.mul_(kept_rows[start:end].to(grad_logits.dtype))
             grad_bias.add_(grad_logits.sum(dim=0, dtype=acc_dtype))
