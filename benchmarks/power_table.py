@@ -89,7 +89,7 @@ def inputs(seed: int, dtype: torch.dtype, size: int, head: str) -> tuple[Tensor,
 
 def reference(head: Head, x: Tensor, w: Tensor, labels: Tensor) -> Reference:
     """What grad_reference gives under the default verdict (autograd on the CPU)."""
-    policy = CheckPolicy(backend="cpu", default_budget=DEFAULT_BUDGET)
+    policy = CheckPolicy(backend="cpu", default_golden=torch.float64, default_budget=DEFAULT_BUDGET)
 
     def loss(x: Tensor, w: Tensor, labels: Tensor) -> Tensor:
         return head(x @ w.T, labels)
@@ -103,7 +103,6 @@ def reference(head: Head, x: Tensor, w: Tensor, labels: Tensor) -> Reference:
         strategy="autograd",
         default_strategy="autograd",
         policy=policy,
-        default_golden=torch.float64,
     )
 
 

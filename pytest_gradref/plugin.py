@@ -335,20 +335,21 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
     # Statistics cost more than the verdicts: computed where a report or the summary may show
     # them (the summary lists the tightest items with -v or after a crosscheck disagreement).
     statistics = compared or request.config.get_verbosity() > 0 or strategy == "crosscheck"
-    # The default verdict judges against a float64 golden; a marker's tolerance, or
-    # --gradref-verdict=tolerance, compares with a tolerance and computes none unasked.
-    golden_verdict = state.settings.verdict == "golden" and overrides.tolerance is None
+    # The default verdict judges against a float64 golden; --gradref-verdict=tolerance
+    # compares with tolerances and computes none unasked (verdict/criterion.py applies it).
+    golden_verdict = state.settings.verdict == "golden"
     policy = CheckPolicy(
         backend=resolution.backend.name,
         table=resolution.backend.tolerances,
         overrides=(overrides.tolerance,) if overrides.tolerance is not None else (),
         budget=overrides.budget,
         statistics=statistics,
+        default_golden=torch.float64 if golden_verdict else None,
         default_budget=DEFAULT_BUDGET if golden_verdict else None,
         check_dtype=overrides.check_dtype,
         aux_tolerances=overrides.aux_tolerances,
         golden_off=None
-        if state.settings.verdict == "golden"
+        if golden_verdict
         else (
             f"--gradref-verdict={state.settings.verdict} from "
             f"{state.settings.source(VERDICT_OPTION)}"
@@ -361,7 +362,6 @@ def grad_reference(request: pytest.FixtureRequest) -> GradReference:
         golden=overrides.golden,
         golden_on_cpu=resolution.backend.cpu_only_dtypes,
         rounded=overrides.rounded,
-        default_golden=torch.float64 if golden_verdict else None,
         recording=recording,
     )
     launched = request.node.stash.get(launched_context_key, None)

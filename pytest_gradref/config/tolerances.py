@@ -3,7 +3,7 @@ check policy that chooses among them.
 
 No torch at import: the markers parse tolerances at collection, and a conftest builds a
 backend's table from ``Tolerance`` before any test runs. The precision of a dtype (its machine
-epsilon, the compute dtype) is in dtypes.py, the comparison itself in compare.py.
+epsilon, the compute dtype) is in verdict/dtypes.py, the items and their judge in verdict/.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ FLOOR_ULPS: Mapping[str, float] = {"float16": 1, "bfloat16": 1, "float32": 16, "
 # than one in ten thousand values of a correct kernel.
 SPREAD_SIGMAS = 4.0
 
-# The systematic criteria (compare.Systematic: the error's scale along the golden and its
+# The systematic criteria (verdict/budget_item.py: the error's scale along the golden and its
 # bias) judge items of at least this many elements: fewer cannot tell a scale from rounding.
 SYSTEMATIC_MIN_NUMEL = 64
 # A systematic error may reach this many of its standard errors (estimated from what the fit
@@ -149,7 +149,7 @@ SYSTEMATIC_SIGMAS = 6.0
 # every element shares (0.39% in bf16, 0.049% in fp16, 16 x 6e-8 in float32).
 SYSTEMATIC_FLOOR = 0.5
 
-# The rounding spread's allowance (compare.spread_factor): its runs' rms times 1 + this many
+# The rounding spread's allowance (budget_criteria.spread_factor): its runs' rms times 1 + this many
 # coefficients of variation of their errors (at least the budget).
 SPREAD_VARIATIONS = 10.0
 
@@ -164,8 +164,11 @@ class CheckPolicy:
     table: Mapping[str, Tolerance] = field(default_factory=dict)
     overrides: tuple[ToleranceOverride, ...] = ()
     budget: float | None = None
-    # The budget of a reference with a golden where the test gives no tolerance or budget:
-    # DEFAULT_BUDGET under the default verdict, None under --gradref-verdict=tolerance.
+    # The default verdict (verdict/criterion.py applies it): the golden every reference of
+    # less precise inputs computes where none is asked for, and the budget of a reference
+    # with a golden where the test gives no tolerance or budget. torch.float64 and
+    # DEFAULT_BUDGET by default; both None under --gradref-verdict=tolerance.
+    default_golden: torch.dtype | None = None
     default_budget: float | None = None
     # False (the marker's check_dtype=False): a less precise actual is judged, not failed.
     check_dtype: bool = True
@@ -178,6 +181,14 @@ class CheckPolicy:
     # --gradref-verdict option"): a check that asks for a budget then skips its test, naming
     # it, rather than erroring on the golden it lacks. None where no setting turned it off.
     golden_off: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.default_golden is not None and self.default_budget is None:
+            raise ValueError(
+                f"CheckPolicy(default_golden={self.default_golden}) computes a golden that no "
+                "check would use: give default_budget= too (pytest_gradref's default is "
+                f"{DEFAULT_BUDGET:g}), or leave default_golden=None to compare with tolerances"
+            )
 
     def tolerance(
         self,

@@ -3,7 +3,7 @@
 It validates fn and its arguments (argnums, a module's parameters chosen with ``params=``),
 names each gradient after fn's signature, finds the compute dtype, runs the strategy
 (differentiation.py), under crosscheck both strategies and their disagreement per item (the
-aux's leaves among them, made items by auxiliary.aux_items), judged by compare.check_items
+aux's leaves among them, made items by auxiliary.aux_items), judged by verdict.judge.check_items
 as assert_close judges an item, with ``golden=`` the golden (golden.py), and with
 ``rounded=True`` the rounded reference (rounding.py).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Union
@@ -20,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from pytest_gradref.config.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
-from pytest_gradref.config.tolerances import CheckPolicy, dtype_name
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy, dtype_name
 from pytest_gradref.reference.auxiliary import AuxLeaf, AuxValue, aux_items, pair_aux
 from pytest_gradref.reference.differentiation import (
     STRATEGY_FUNCTIONS,
@@ -42,8 +43,12 @@ from pytest_gradref.reference.golden import (
 from pytest_gradref.reference.recording import Disagreement, Recording
 from pytest_gradref.reference.result import GradientArgument, Reference, parameter_label
 from pytest_gradref.reference.spread import Spread
-from pytest_gradref.verdict.compare import ItemCheck, ToleranceItem, check_items
+from pytest_gradref.verdict.checks import ItemCheck
+from pytest_gradref.verdict.criterion import golden_for
 from pytest_gradref.verdict.dtypes import ComputeDtype, epsilon, is_inexact
+from pytest_gradref.verdict.judge import check_items
+from pytest_gradref.verdict.tolerance_item import ToleranceItem
+from pytest_gradref.warning_types import user_stacklevel
 
 if TYPE_CHECKING:
     from pytest_gradref.reference.rounding import Rounded
@@ -71,6 +76,7 @@ def compute_reference(
     rounded: bool = False,
     default_golden: torch.dtype | None = None,
     cotangent: Outputs | None = None,
+    kernel: bool = False,
 ) -> Reference:
     """fn's value and gradients by ``strategy``; differentiation.py states the guarantees.
 
@@ -83,9 +89,11 @@ def compute_reference(
     differentiated and checked (names, or a predicate of name and parameter); by default
     those that require grad. ``rounded=True`` (which needs ``golden``) also runs the primary
     strategy with every floating-point result rounded to the compute dtype, for budgets that
-    count from the larger of the two references' errors. ``default_golden`` is the golden
-    computed where none is asked for and the compute dtype is less precise (the default
-    verdict's float64): a reference of float64 inputs gets none.
+    count from the larger of the two references' errors. Where no golden is asked for, the
+    policy's default verdict chooses (verdict/criterion.py): its golden where the compute
+    dtype is less precise, none for a reference of float64 inputs or a ``kernel`` (a reference
+    that is itself a kernel, GradReference.kernel). ``default_golden`` is deprecated: it sets
+    the policy's ``default_golden``, which is where the default verdict now lives.
 
     fn returns a scalar loss, or a tensor output, whose gradients are then the
     vector-Jacobian product with ``cotangent`` (by default a seeded standard normal draw of
@@ -93,6 +101,16 @@ def compute_reference(
     ``argnums=()`` on a function computes fn's value and aux alone (a value-only reference).
     """
     __tracebackhide__ = True
+    if default_golden is not None:
+        warnings.warn(
+            "compute_reference(default_golden=...) is deprecated and will be removed in the "
+            "next release: set it on the policy, "
+            "CheckPolicy(default_golden=..., default_budget=...)",
+            DeprecationWarning,
+            stacklevel=user_stacklevel(),
+        )
+        budget = policy.default_budget if policy.default_budget is not None else DEFAULT_BUDGET
+        policy = replace(policy, default_golden=default_golden, default_budget=budget)
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
     if not callable(fn):
@@ -139,15 +157,9 @@ def compute_reference(
     compute = _compute_dtype(
         signature_source, args, kwargs, fn if isinstance(fn, torch.nn.Module) else None
     )
-    automatic = (
-        golden is None
-        and default_golden is not None
-        and compute is not None
-        and compute.dtype.is_floating_point
-        and epsilon(compute.dtype) > epsilon(default_golden)
+    golden = golden_for(
+        policy, golden, compute.dtype if compute is not None else None, kernel=kernel
     )
-    if automatic:
-        golden = default_golden
     _check_rounded(rounded, golden)
 
     primary: Strategy = default_strategy if strategy == "crosscheck" else strategy

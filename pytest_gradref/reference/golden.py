@@ -43,7 +43,7 @@ class Golden:
     # ``dtype`` where fn casts inside, e.g. with .float().
     obtained: torch.dtype | None = None
     # For a scalar value: its first-order terms x * dvalue/dx over the differentiated inputs,
-    # as their sum of magnitudes and their 2-norm (see compare.BudgetItem.condition), a float64
+    # as their sum of magnitudes and their 2-norm (see budget_item.BudgetItem.condition), a float64
     # tensor of two; None otherwise.
     value_condition: torch.Tensor | None = None
     # The rounding spread: randomly rounded runs of the reference, run where an item asks.
@@ -87,7 +87,7 @@ def value_condition(
     (golden precision), as [sum of their magnitudes, their 2-norm]: for a sum of terms, the
     first is the sum of their magnitudes, which its rounding errors scale with where the terms
     cancel; the second, times u / sqrt(3), is the spread of the value's error when every
-    input is rounded once more (see compare.BudgetItem.condition). None for a value that is
+    input is rounded once more (see budget_item.BudgetItem.condition). None for a value that is
     not a scalar or has no gradient."""
     plain = (torch.Tensor, torch.nn.Parameter)
     if isinstance(value, tuple) or value.numel() != 1 or type(value) not in plain:
@@ -109,7 +109,7 @@ def value_condition(
     if not terms:
         return None
     # Non-finite terms (an infinite gradient, 0 * inf) set no scale, as in the golden's own
-    # (compare._finite): a NaN would fail every value, an infinity pass any.
+    # (statistics.finite): a NaN would fail every value, an infinity pass any.
     flat = torch.cat(terms).to(torch.float64).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return torch.stack([flat.abs().sum(), flat.norm()])
 

@@ -7,18 +7,21 @@ Recording; plugin.py builds it from the session's setup and the test's marker.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from pytest_gradref.config.strategies import Strategy, StrategyChoice
-from pytest_gradref.config.tolerances import CheckPolicy, dtype_name
+from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy, dtype_name
 from pytest_gradref.reference.computation import Argnums, ParamSelection, compute_reference
 from pytest_gradref.reference.differentiation import Outputs
 from pytest_gradref.reference.recording import Recording
 from pytest_gradref.reference.result import Reference
+from pytest_gradref.verdict.criterion import candidate_golden
+from pytest_gradref.warning_types import user_stacklevel
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,28 @@ class GradReference:
     golden: torch.dtype | None = None
     golden_on_cpu: frozenset[str] = frozenset()
     rounded: bool = False
-    # The golden every reference of less precise inputs gets where none is asked for (the
-    # default verdict's float64); None under --gradref-verdict=tolerance or a marker's
-    # rtol/atol, which compare with a tolerance and need none.
+    # Deprecated: the default verdict's golden is the policy's (CheckPolicy.default_golden);
+    # given here, it is set there, with a DeprecationWarning.
     default_golden: torch.dtype | None = None
     recording: Recording | None = None
+
+    def __post_init__(self) -> None:
+        if self.default_golden is not None:
+            warnings.warn(
+                "GradReference(default_golden=...) is deprecated and will be removed in the "
+                "next release: set it on the policy, "
+                "CheckPolicy(default_golden=..., default_budget=...)",
+                DeprecationWarning,
+                stacklevel=user_stacklevel(),
+            )
+            budget = self.policy.default_budget
+            policy = replace(
+                self.policy,
+                default_golden=self.default_golden,
+                default_budget=budget if budget is not None else DEFAULT_BUDGET,
+            )
+            object.__setattr__(self, "policy", policy)
+            object.__setattr__(self, "default_golden", None)
 
     def __repr__(self) -> str:
         # Short: pytest and Hypothesis print a test's arguments (a falsifying example, a
@@ -133,7 +153,7 @@ class GradReference:
             params,
             rounded,
             cotangent,
-            default_golden=False,
+            kernel=True,
         )
 
     def _compute(
@@ -148,16 +168,15 @@ class GradReference:
         params: ParamSelection,
         rounded: bool | None,
         cotangent: Outputs | None,
-        default_golden: bool = True,
+        kernel: bool = False,
     ) -> Reference:
         """compute_reference under this fixture's policy, with the call's golden dtype and
-        rounding or the marker's (the golden on the CPU where the backend cannot compute it),
-        and the default verdict's golden where ``default_golden``."""
+        rounding or the marker's (the golden on the CPU where the backend cannot compute it);
+        ``kernel`` for a reference that is itself a kernel."""
         __tracebackhide__ = True
         golden = golden if golden is not None else self.golden
-        automatic = self.default_golden if default_golden else None
         golden_device = None
-        wanted = golden if golden is not None else automatic
+        wanted = candidate_golden(self.policy, golden, kernel=kernel)
         if wanted is not None and dtype_name(wanted) in self.golden_on_cpu:
             golden_device = torch.device("cpu")
         reference = compute_reference(
@@ -174,8 +193,8 @@ class GradReference:
             golden=golden,
             golden_device=golden_device,
             rounded=rounded if rounded is not None else self.rounded,
-            default_golden=automatic,
             cotangent=cotangent,
+            kernel=kernel,
         )
         if self.recording is not None:
             # After the reference, which validated the arguments and never changes them.

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pytest_gradref.config.strategies import Strategy
-from pytest_gradref.verdict.compare import ItemCheck
+from pytest_gradref.verdict.checks import ItemCheck
 
 if TYPE_CHECKING:
     from pytest_gradref.reference.inputs import SampledInputs

@@ -2,8 +2,9 @@
 
 ``Reference`` holds the value, gradients, aux and golden that compute_reference produced
 (computation.py) and checks a kernel's results against them: it pairs each actual item with
-its reference, chooses its tolerance or budget (tolerances.py), has check_items (compare.py)
-judge them all, and fails with every item that differs.
+its reference, asks verdict/criterion.py whether it takes a budget or a tolerance
+(tolerances.py), has check_items (verdict/judge.py) judge them all, and fails with every item
+that differs.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
-import pytest
 import torch
 
 from pytest_gradref.config.number_settings import check_number
@@ -31,16 +31,12 @@ from pytest_gradref.reference.auxiliary import (
 from pytest_gradref.reference.differentiation import Outputs, value_items
 from pytest_gradref.reference.golden import Golden
 from pytest_gradref.reference.recording import Disagreement, Recording
-from pytest_gradref.verdict.compare import (
-    MISSING_HINT,
-    BudgetItem,
-    Item,
-    ItemCheck,
-    ToleranceItem,
-    check_items,
-    format_failures,
-)
+from pytest_gradref.verdict.budget_item import BudgetItem
+from pytest_gradref.verdict.checks import MISSING_HINT, ItemCheck, format_failures
+from pytest_gradref.verdict.criterion import budget_for
 from pytest_gradref.verdict.dtypes import ComputeDtype
+from pytest_gradref.verdict.judge import Item, check_items
+from pytest_gradref.verdict.tolerance_item import ToleranceItem
 from pytest_gradref.warning_types import ZeroGradientWarning, user_stacklevel
 
 if TYPE_CHECKING:
@@ -49,16 +45,6 @@ if TYPE_CHECKING:
 
 ActualGrads = Union["torch.Tensor", Sequence[Union["torch.Tensor", None]], None]
 ActualParamGrads = Union[Mapping[str, Union["torch.Tensor", None]], "torch.nn.Module", None]
-
-
-def _skip_without_golden(golden_off: str) -> None:
-    """Skips a test whose check asks for a budget in a run that turned the golden off (the
-    cheapest verdict). Raised here, in a frame the traceback keeps, so that pytest's skip
-    summary (-rs) gives every such test one line, at this location."""
-    pytest.skip(
-        f"assert_close(budget=...) needs the float64 golden, which {golden_off} turns off; "
-        "run without it to check these tests"
-    )
 
 
 @dataclass(frozen=True)
@@ -146,8 +132,8 @@ class Reference:
         With a golden reference (which the default verdict computes for every reference of
         inputs less precise than float64) and no tolerance given, each item passes when its
         error against the golden, greatest and normwise, is at most k times the same-dtype
-        reference's own error plus a floor (compare.py): k is ``budget=``, else the marker's
-        budget, else the session's default budget (2). With a rounded reference
+        reference's own error plus a floor (verdict/budget_item.py): k is ``budget=``, else
+        the marker's budget, else the session's default budget (2). With a rounded reference
         (``rounded=True``) k times the larger of the two references' errors. ``rtol``/``atol``
         here or on the marker compare with that tolerance instead, at the least precise of
         the reference's dtype and the compute dtype (that of the least precise input,
@@ -184,32 +170,25 @@ class Reference:
             raise TypeError(
                 f"assert_close(): check_dtype must be True or False, got {check_dtype!r}"
             )
-        if budget is None and rtol is None and atol is None:
-            budget = self.policy.budget
-            if budget is None and self.golden is not None and not self.policy.overrides:
-                budget = self.policy.default_budget
-        if budget is not None:
-            check_number(budget, "budget", minimum=0, inclusive=False)
-            if self.golden is None and self.policy.golden_off is not None:
-                _skip_without_golden(self.policy.golden_off)
-            if self.golden is None:
-                raise ValueError(
-                    f"assert_close(budget={budget:g}) needs a golden reference: call "
-                    "grad_reference(..., golden=torch.float64) or mark the test "
-                    "@pytest.mark.gradref(golden=torch.float64)"
-                )
-        elif self.rounded is not None:
+        tolerance_given = rtol is not None or atol is not None
+        budget = budget_for(
+            self.policy,
+            budget=budget,
+            tolerance_given=tolerance_given,
+            has_golden=self.golden is not None,
+        )
+        if budget is None and self.rounded is not None:
             raise ValueError(
                 "this reference was computed with rounded=True, which only widens an error "
                 "budget, and assert_close() compares "
-                + ("with rtol=/atol=" if rtol is not None or atol is not None else "without one")
+                + ("with rtol=/atol=" if tolerance_given else "without one")
                 + ": pass budget=k (or set it in @pytest.mark.gradref) or leave rounded out"
             )
         for name, value in (("rtol", rtol), ("atol", atol)):
             if value is not None:  # checked here, so that the message names the argument
                 check_number(value, name, minimum=0)
         extra: tuple[ToleranceOverride, ...] = ()
-        if rtol is not None or atol is not None:
+        if tolerance_given:
             extra = (ToleranceOverride(rtol, atol, "the assert_close() arguments"),)
         items: list[Item] = [
             self._item(
@@ -292,16 +271,15 @@ class Reference:
         return ToleranceItem(label, actual, expected, resolved, missing, check_dtype)
 
     def _judge_with_spread(self, items: Sequence[Item], checks: list[ItemCheck]) -> list[ItemCheck]:
-        """The checks, with each budget item that failed on its errors judged again against
-        the rounding spread (spread.py: the reference's randomly rounded runs, run once per
-        reference, here, where the first item needs them): its reference's error is one draw
-        of rounding noise, the runs' errors are many. Items that failed on something else (a
-        shape, a dtype, None, NaN) keep their checks."""
+        """The checks, with each item that asks for it (a budget item that failed on its
+        errors) judged again against the rounding spread (spread.py: the reference's randomly
+        rounded runs, run once per reference, here, where the first item needs them): its
+        reference's error is one draw of rounding noise, the runs' errors are many."""
         spread = self.golden.spread if self.golden is not None else None
         again = [
             position
             for position, (item, check) in enumerate(zip(items, checks))
-            if isinstance(item, BudgetItem) and not check.passed and math.isfinite(check.max_abs)
+            if item.needs_spread(check)
         ]
         if spread is None or not again:
             return checks
@@ -309,9 +287,8 @@ class Reference:
         retried: list[Item] = []
         for position in again:
             item = items[position]
-            assert isinstance(item, BudgetItem)
             samples = tuple(run[item.label] for run in runs if item.label in run)
-            retried.append(replace(item, samples=samples))
+            retried.append(item.with_spread(samples))
         checks = list(checks)
         for position, check in zip(again, check_items(retried)):
             checks[position] = check
@@ -419,6 +396,7 @@ class Reference:
             item_extra, item_budget = extra, budget
             own = _aux_tolerance(leaf.label, leaf.key, tolerances, marker)
             if own is not None:
+                # Its own tolerance wins over a budget (see criterion.budget_for).
                 item_extra = (ToleranceOverride(own[0].rtol, own[0].atol, own[1]), *extra)
                 item_budget = None
             missing = "the actual aux holds None here"

@@ -18,7 +18,7 @@ by the norms of the row and the column: no second product): the first-order term
 error bound, which another order or blocking of the sum may reach. Operations that
 only create, copy or select values are exact and left alone. Each run's error against the
 golden is a draw of a correct computation's error, of the item as of every other; their
-spread is what the verdict (compare.py) lets an item's error reach.
+spread is what the verdict (verdict/budget_item.py) lets an item's error reach.
 
 The runs are seeded (run 0, 1, ...), so a verdict is reproducible and the test's own random
 state is untouched; they run only where an item fails without them.
@@ -38,7 +38,7 @@ from pytest_gradref.reference.differentiation import Problem, Result
 from pytest_gradref.reference.rounding import ResultMode
 
 # How many randomly rounded runs estimate the spread: with 16, an allowance of 10 coefficients of
-# variation (compare.spread_factor) lets a correct scalar through at a rate under 1e-5.
+# variation (budget_criteria.spread_factor) lets a correct scalar through at a rate under 1e-5.
 RUNS = 16
 
 _aten = torch.ops.aten

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pytest_gradref.config.resolution import Resolution
     from pytest_gradref.reference.recording import Recording
     from pytest_gradref.report.device_coverage import DeviceCoverage
-    from pytest_gradref.verdict.compare import ItemCheck
+    from pytest_gradref.verdict.checks import ItemCheck
 
 TIGHTEST_SHOWN = 10
 # The test report attribute that carries a test's record (to the xdist controller too).

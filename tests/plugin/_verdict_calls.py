@@ -25,7 +25,11 @@ def reference(
     verdict gives a float64 golden where the compute dtype is less precise, and the budget
     assert_close uses where the test gives no tolerance."""
     golden = verdict == "golden"
-    policy = CheckPolicy(backend="cpu", default_budget=DEFAULT_BUDGET if golden else None)
+    policy = CheckPolicy(
+        backend="cpu",
+        default_golden=torch.float64 if golden else None,
+        default_budget=DEFAULT_BUDGET if golden else None,
+    )
     return compute_reference(
         fn,
         args,
@@ -35,7 +39,6 @@ def reference(
         strategy="autograd",
         default_strategy="autograd",
         policy=policy,
-        default_golden=torch.float64 if golden else None,
         **kwargs,
     )
 

@@ -172,7 +172,8 @@ def test_plugin_loads_without_importing_torch(
         "reference.computation",
         "reference.result",
         "reference.recording",
-        "verdict.compare",
+        "verdict.judge",
+        "verdict.checks",
         "verdict.dtypes",
     ):
         assert f"pytest_gradref.{module}" not in loaded, module

@@ -149,7 +149,7 @@ def test_tolerance(grad_reference):
     result.assert_outcomes(passed=1, skipped=2)
     result.stdout.fnmatch_lines(
         [
-            "SKIPPED [[]2[]] *reference?result.py:*: assert_close(budget=...) needs the float64 "
+            "SKIPPED [[]2[]] *verdict?criterion.py:*: assert_close(budget=...) needs the float64 "
             "golden, which --gradref-verdict=tolerance from the --gradref-verdict option turns "
             "off; run without it to check these tests"
         ]

@@ -25,8 +25,9 @@ def reference(fn: Any, *args: Any, strategy: Strategy = "autograd", **kwargs: An
         {},
         strategy=strategy,
         default_strategy=strategy,
-        policy=CheckPolicy(backend="cpu", default_budget=DEFAULT_BUDGET),
-        default_golden=torch.float64,
+        policy=CheckPolicy(
+            backend="cpu", default_golden=torch.float64, default_budget=DEFAULT_BUDGET
+        ),
         has_aux=kwargs.pop("has_aux", False),
         argnums=kwargs.pop("argnums", (0, 1)),
         **kwargs,

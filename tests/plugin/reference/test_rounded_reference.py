@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from pytest_gradref.verdict.compare import BudgetItem, check_items
+from pytest_gradref.verdict.budget_item import BudgetItem
+from pytest_gradref.verdict.judge import check_items
 
 STRATEGIES = ["autograd", "grad_and_value"]
 

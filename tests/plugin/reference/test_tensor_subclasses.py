@@ -1,7 +1,7 @@
 """Tensor subclasses as actual results, references and inputs: DTensor and a wrapper subclass.
 
 A subclass cannot be read to the host in bulk, so its items leave the one-read batched pass of
-``compare.check_items`` and are compared one by one; these tests prove that every route
+``judge.check_items`` and are compared one by one; these tests prove that every route
 (tolerance, budget against a golden, crosscheck, the report) gets there and still fails when
 it should. The tolerance route is the tolerance verdict's: under the default verdict the
 float32 tests of the tolerance route are judged by an automatic float64 golden instead.
@@ -278,8 +278,8 @@ def test_a_wrapper_subclass_takes_every_route(pytester: pytest.Pytester, verdict
 def test_dtensor_on_a_one_rank_gloo_mesh_takes_every_route(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_dtensor=DTENSOR + CHECKS)
     # A child process: the process group and the mesh are process-wide. The tolerance verdict:
-    # torch.testing's route, which torch 2.6 cannot take on a DTensor (compare.py); the golden
-    # route is the marked budget tests'.
+    # torch.testing's route, which torch 2.6 cannot take on a DTensor (tolerance_item.py); the
+    # golden route is the marked budget tests'.
     result = runpytest_forked(
         pytester,
         "--gradref-device=cpu",

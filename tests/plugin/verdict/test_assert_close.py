@@ -12,7 +12,9 @@ from _pytester_sources import HOST_READS_FIXTURE
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_gradref.config.tolerances import ResolvedTolerance, Tolerance
-from pytest_gradref.verdict.compare import BudgetItem, ToleranceItem, check_items
+from pytest_gradref.verdict.budget_item import BudgetItem
+from pytest_gradref.verdict.judge import check_items
+from pytest_gradref.verdict.tolerance_item import ToleranceItem
 
 FAILURES = """
 import pytest

@@ -1,8 +1,9 @@
-"""The batched pass of ``compare.check_items`` computes a budget item's statistics as the
-one-by-one route (``_check_alone``, which tensor subclasses take) does: sides stacked into one
-tensor, a scalar's differences taken on the host, the greatest relative error left to a
-failure's message where no statistics are asked for. Each case is judged both ways and must
-agree, edge values (equal infinities, NaN, a zero or infinite golden) included."""
+"""The batched pass of ``judge.check_items`` computes a budget item's statistics as the
+one-by-one route (``BudgetItem.check_alone``, which tensor subclasses take) does: sides
+stacked into one tensor, a scalar's differences taken on the host, the greatest relative
+error left to a failure's message where no statistics are asked for. Each case is judged
+both ways and must agree, edge values (equal infinities, NaN, a zero or infinite golden)
+included."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import math
 import pytest
 import torch
 
-from pytest_gradref.verdict.compare import BudgetItem, _check_alone, check_items
+from pytest_gradref.verdict.budget_item import BudgetItem
+from pytest_gradref.verdict.judge import check_items
 
 INF, NAN = math.inf, math.nan
 
@@ -55,7 +57,7 @@ def test_a_scalar_is_judged_as_the_one_by_one_route_judges_it(case, condition):
         condition=None if condition is None else torch.tensor(condition, dtype=torch.float64),
     )
     (batched,) = check_items([item])
-    assert _same(_fields(batched), _fields(_check_alone(item))), (batched, _check_alone(item))
+    assert _same(_fields(batched), _fields(item.check_alone())), (batched, item.check_alone())
 
 
 @pytest.mark.parametrize("shape", [(3,), (64, 5)], ids=["short", "systematic"])
@@ -75,7 +77,7 @@ def test_a_tensor_is_judged_as_the_one_by_one_route_judges_it(shape, edge):
     for rounded_side in (None, rounded):
         item = BudgetItem("gradient", actual, reference, golden, budget=2.0, rounded=rounded_side)
         (batched,) = check_items([item])
-        alone = _check_alone(item)
+        alone = item.check_alone()
         assert _same(_fields(batched), _fields(alone)), (batched, alone)
         assert batched.scale_error == pytest.approx(alone.scale_error, rel=1e-9, abs=1e-15) or (
             math.isnan(batched.scale_error) and math.isnan(alone.scale_error)

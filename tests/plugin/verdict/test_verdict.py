@@ -16,7 +16,8 @@ import pytest
 import torch
 from _verdict_calls import failure, reference
 
-from pytest_gradref.verdict.compare import BudgetItem, check_items
+from pytest_gradref.verdict.budget_item import BudgetItem
+from pytest_gradref.verdict.judge import check_items
 
 VERDICTS = ("golden", "tolerance")
 F32_EPS = torch.finfo(torch.float32).eps

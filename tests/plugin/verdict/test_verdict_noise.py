@@ -25,7 +25,7 @@ from _verdict_calls import failure, reference
 
 from pytest_gradref import GoldenPrecisionWarning
 from pytest_gradref.reference.spread import RUNS
-from pytest_gradref.verdict.compare import spread_factor
+from pytest_gradref.verdict.budget_criteria import spread_factor
 
 # --- no red from summation order ------------------------------------------------------------
 
