@@ -31,6 +31,7 @@ from pytest_gradref.config.settings import RANK_TIMEOUT_OPTION, seed_for_test
 from pytest_gradref.config.state import recording_key
 from pytest_gradref.devices.backends import builtin_backend
 from pytest_gradref.devices.xdist import worker_number
+from pytest_gradref.report.writer import rank_label
 
 if TYPE_CHECKING:
     from pytest_gradref.config.resolution import Resolution
@@ -387,14 +388,14 @@ def merge_recordings(target: Recording, results: Sequence[RankResult]) -> None:
         recording = result.recording
         if recording is None:
             continue
-        target.ranks = [*(target.ranks or []), result.rank]
-        prefix = f"rank {result.rank}: "
-        target.checks.extend(replace(c, label=prefix + c.label) for c in recording.checks)
+        rank = result.rank
+        target.ranks = [*(target.ranks or []), rank]
+        target.checks.extend(replace(c, label=rank_label(rank, c.label)) for c in recording.checks)
         target.disagreements.extend(
-            replace(d, label=prefix + d.label) for d in recording.disagreements
+            replace(d, label=rank_label(rank, d.label)) for d in recording.disagreements
         )
         target.strategies.extend(recording.strategies)
-        target.add_unchecked_aux(prefix + label for label in recording.aux_unchecked)
+        target.add_unchecked_aux(rank_label(rank, label) for label in recording.aux_unchecked)
         target.inputs.extend(recording.inputs)
         target.crosscheck_opt_out = target.crosscheck_opt_out or recording.crosscheck_opt_out
         target.golden_shortfall = target.golden_shortfall or recording.golden_shortfall

@@ -138,6 +138,12 @@ def _write_atomically(path: Path, text: str) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def rank_label(rank: int, label: str) -> str:
+    """An item's label in a multi-rank test's record ("rank 1: gradient of argument 0 (x)"):
+    launched and spawned ranks' items alike, so the gate compares them by one name."""
+    return f"rank {rank}: {label}"
+
+
 def merge_rank_records(by_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """The records of a launched run's ranks (``by_rank[r]`` rank r's) as one run's: a test's
     items from every rank that recorded it, each labelled with its rank ("rank 1: gradient of
@@ -145,7 +151,6 @@ def merge_rank_records(by_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict
     any rank failed it."""
     merged: dict[str, dict[str, Any]] = {}
     for rank, records in enumerate(by_rank):
-        prefix = f"rank {rank}: "
         for record in records:
             test = merged.setdefault(
                 record["nodeid"],
@@ -159,11 +164,11 @@ def merge_rank_records(by_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict
                     "ranks": [],
                 },
             )
-            test["items"] += [{**i, "label": prefix + i["label"]} for i in record["items"]]
+            test["items"] += [{**i, "label": rank_label(rank, i["label"])} for i in record["items"]]
             test["crosscheck"] += [
-                {**d, "label": prefix + d["label"]} for d in record["crosscheck"]
+                {**d, "label": rank_label(rank, d["label"])} for d in record["crosscheck"]
             ]
-            test["aux_unchecked"] += [prefix + label for label in record["aux_unchecked"]]
+            test["aux_unchecked"] += [rank_label(rank, a) for a in record["aux_unchecked"]]
             test["inputs"] += record["inputs"]
             test["strategies"] = sorted({*test["strategies"], *record["strategies"]})
             test["ranks"].append(rank)
