@@ -48,6 +48,8 @@ arithmetic, cancel theirs). A teacher probability of exactly zero (a masked voca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -104,6 +106,75 @@ def _soft_loss_terms(beta: float) -> tuple[float, ...]:
     return (beta, -1.0, -1.0)
 
 
+def _whole_row(row_sums: Tensor) -> Tensor:
+    return row_sums
+
+
+def soft_terms_(
+    log_t: Tensor,
+    diff: Tensor,
+    prob_s: Tensor,
+    sums: Tensor,
+    *,
+    options: LossOptions,
+    shared_hard: float = 0.0,
+    whole_row: Callable[[Tensor], Tensor] = _whole_row,
+) -> tuple[Tensor, Tensor, float]:
+    """The soft loss's row sums and its gradient's terms for ``r`` rows of log-probabilities.
+
+    ``log_t`` (r, V) is log T, ``diff`` (r, V) is d = log T - log S and ``prob_s`` (r, V) is S,
+    each in its own buffer, all three used as scratch. The row sums of
+    :func:`_soft_loss_terms` go into ``sums`` (k, r). Returns ``(grad, last_term,
+    last_scale)``: the gradient with respect to the logits is ``grad + last_scale *
+    last_term``, ``grad`` lying in ``prob_s`` (with ``shared_hard`` S of the hard loss's
+    gradient, where it shares S's softmax) and ``last_term`` in ``log_t``, so the caller adds
+    the hard loss's other terms to ``grad`` and writes the sum where it wants it, rounded once.
+
+    The gradient needs K, a sum over the whole row (``sum(S L)``, ``sum(S d)``): these rows
+    may be one shard of the vocabulary, and ``whole_row`` turns a (r, 1) sum over the shard
+    into the whole row's (an all-reduce over the shards, _vocab_parallel_chunk.py), without
+    changing its argument; the row sums in ``sums`` stay the shard's.
+    """
+    beta, temperature, weight_soft = options.beta, options.temperature, options.weight_soft
+    if beta == 0.0:
+        # KL(T||S) = sum(T d) + sum(S - T) (each term small where S ~ T; sum S and sum T
+        # apart would each carry a rounding of 1); gradient (S - T) / tau.
+        prob_t = log_t.exp_()
+        torch.nansum(diff.mul_(prob_t), -1, out=sums[0])
+        s_minus_t = torch.sub(prob_s, prob_t, out=prob_t)
+        torch.sum(s_minus_t, -1, out=sums[1])
+        return prob_s.mul_(shared_hard), s_minus_t, weight_soft / temperature
+    if beta == 1.0:
+        # KL(S||T) = -sum(S d) - sum(S - T); gradient S * (-d + K) / tau, K = sum(S d). d is
+        # clamped where T is exactly 0 (d = -inf), whose S d would otherwise be NaN.
+        grad_scale = weight_soft / temperature
+        torch.sum(torch.sub(prob_s, log_t.exp_(), out=log_t), -1, out=sums[1])
+        diff.clamp_min_(torch.finfo(diff.dtype).min)
+        s_diff = torch.mul(diff, prob_s, out=log_t)
+        k = whole_row(torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1)))
+        # grad_scale * S * K + shared_hard * S - grad_scale * S d
+        return prob_s.mul_(k.mul(grad_scale).add_(shared_hard)), s_diff, -grad_scale
+    # beta * KL(T||M) + (1-beta) * KL(S||M) = beta sum(T d) - sum(M L), L = log(M / S)
+    # = log1p(b), b = beta expm1(d), M = S (1 + b); gradient (1-beta)/tau * S * (K - L),
+    # K = sum(S L). Every term is small where S ~ T, none a difference of large ones. T d is
+    # NaN where T is exactly 0 (d = -inf): nansum counts it as the 0 it is.
+    grad_scale = weight_soft * (1.0 - beta) / temperature
+    torch.nansum(log_t.exp_().mul_(diff), -1, out=sums[0])
+    mix_ratio = diff.expm1_().mul_(beta)  # b
+    s_log = torch.special.xlog1py(prob_s, mix_ratio, out=log_t)  # S L
+    k = whole_row(torch.sum(s_log, -1, keepdim=True, out=sums[1].unsqueeze(1)))
+    torch.sum(mix_ratio.mul_(s_log), -1, out=sums[2])
+    return prob_s.mul_(k.mul(grad_scale).add_(shared_hard)), s_log, -grad_scale
+
+
+def soft_rows(sums: Tensor, beta: float) -> Tensor:
+    """Each row's soft loss from the row sums :func:`soft_terms_` records."""
+    rows = torch.zeros_like(sums[0])
+    for coefficient, row_sums in zip(_soft_loss_terms(beta), sums):
+        rows.add_(row_sums, alpha=coefficient)
+    return rows
+
+
 def _slice_(
     student: Tensor,
     teacher: Tensor,
@@ -124,8 +195,7 @@ def _slice_(
     ``buffers`` from :func:`_slice_buffers`. ``grad_out`` may lie in the teacher logits' storage
     (row i within rows 0..i): it is written last, by an op that reads neither logits tensor.
     """
-    beta, temperature = options.beta, options.temperature
-    weight_hard, weight_soft = options.weight_hard, options.weight_soft
+    temperature, weight_hard = options.temperature, options.weight_hard
     rows, vocab_s = student.shape
     vocab_t = teacher.shape[1]
     views = [b[:rows] for b in buffers]
@@ -162,9 +232,7 @@ def _slice_(
         prob_s = log_s
 
     # d = log T - log S goes to the scratch (over log S itself when that lies there), S next
-    # to it. Where T is exactly 0 (a masked vocabulary entry) d is -inf: its terms are
-    # 0 * -inf = NaN in the sums of T d, which nansum counts as the 0 they are, and clamped
-    # for beta = 1, whose gradient multiplies d by S.
+    # to it.
     if shared:
         prob_s = torch.exp(log_s, out=prob_s)
         diff = torch.sub(log_t, log_s, out=scratch)
@@ -172,40 +240,11 @@ def _slice_(
         diff = torch.sub(log_t, log_s, out=scratch)
         prob_s = prob_s.exp_()
     # The coefficient of S in the hard loss's gradient, S - onehot(label), when S is softmax(z).
-    # Below, the gradient's two terms never lie in the scratch, since grad_out may.
+    # The gradient's two terms never lie in the scratch, since grad_out may.
     shared_hard = weight_hard if shared and hard_grad else 0.0
-    if beta == 0.0:
-        # KL(T||S) = sum(T d) + sum(S - T) (each term small where S ~ T; sum S and sum T
-        # apart would each carry a rounding of 1); gradient (S - T) / tau.
-        grad_scale = weight_soft / temperature
-        prob_t = log_t.exp_()
-        torch.nansum(diff.mul_(prob_t), -1, out=sums[0])
-        s_minus_t = torch.sub(prob_s, prob_t, out=prob_t)
-        torch.sum(s_minus_t, -1, out=sums[1])
-        grad = prob_s.mul_(shared_hard)
-        last_term, last_scale = s_minus_t, grad_scale
-    elif beta == 1.0:
-        # KL(S||T) = -sum(S d) - sum(S - T); gradient S * (-d + sum(S d)) / tau.
-        grad_scale = weight_soft / temperature
-        torch.sum(torch.sub(prob_s, log_t.exp_(), out=log_t), -1, out=sums[1])
-        diff.clamp_min_(torch.finfo(diff.dtype).min)
-        s_diff = torch.mul(diff, prob_s, out=work)
-        s_diff_sum = torch.sum(s_diff, -1, keepdim=True, out=sums[0].unsqueeze(1))
-        # grad_scale * S * sum(S d) + shared_hard * S - grad_scale * S d
-        grad = prob_s.mul_(s_diff_sum.mul(grad_scale).add_(shared_hard))
-        last_term, last_scale = s_diff, -grad_scale
-    else:
-        # beta * KL(T||M) + (1-beta) * KL(S||M) = beta sum(T d) - sum(M L), L = log(M / S)
-        # = log1p(b), b = beta expm1(d), M = S (1 + b); gradient (1-beta)/tau * S * (K - L),
-        # K = sum(S L). Every term is small where S ~ T, none a difference of large ones.
-        grad_scale = weight_soft * (1.0 - beta) / temperature
-        torch.nansum(log_t.exp_().mul_(diff), -1, out=sums[0])
-        mix_ratio = diff.expm1_().mul_(beta)  # b
-        s_log = torch.special.xlog1py(prob_s, mix_ratio, out=work)  # S L
-        s_log_sum = torch.sum(s_log, -1, keepdim=True, out=sums[1].unsqueeze(1))
-        torch.sum(mix_ratio.mul_(s_log), -1, out=sums[2])
-        grad = prob_s.mul_(s_log_sum.mul(grad_scale).add_(shared_hard))
-        last_term, last_scale = s_log, -grad_scale
+    grad, last_term, last_scale = soft_terms_(
+        log_t, diff, prob_s, sums, options=options, shared_hard=shared_hard
+    )
 
     if hard_grad:
         grad.scatter_add_(1, labels, grad.new_full(labels.shape, -weight_hard))
@@ -261,10 +300,7 @@ def _chunk_(
             buffers,
             options=options,
         )
-    soft_rows = torch.zeros_like(sums[0])
-    for coefficient, row_sums in zip(coefficients, sums):
-        soft_rows.add_(row_sums, alpha=coefficient)
-    soft_sum = masked_sum(soft_rows.unsqueeze(1), valid)
+    soft_sum = masked_sum(soft_rows(sums, options.beta).unsqueeze(1), valid)
     if label_log_p is None:
         return soft_sum, torch.zeros_like(soft_sum)
     return soft_sum, -masked_sum(label_log_p, valid)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ._chunk_torch import soft_rows, soft_terms_
 from ._options import LossOptions
 
 
@@ -61,7 +62,7 @@ def jsd_chunk_(
     unspecified (finite) values, which the caller drops.
     """
     beta, temperature = options.beta, options.temperature
-    weight_hard, weight_soft = options.weight_hard, options.weight_soft
+    weight_hard = options.weight_hard
     compute_hard = options.compute_hard
     vocab = student.shape[1]
     held, column = local_labels(labels, offset, vocab)
@@ -107,43 +108,22 @@ def jsd_chunk_(
     hard_log_sum_exp = log_sum_exp[0 if hard_logits is None else 2, :, 0]
     hard_rows = (hard_log_sum_exp - sums[-1]) if compute_hard else torch.zeros_like(sums[0])
 
-    # The soft loss from d = log T - log S, as _chunk_torch._slice_ builds it (see there): the
-    # row sums here are this rank's shares; K, the sum over the row that the gradient needs,
-    # is round 3.
-    shared_hard = weight_hard if shared and compute_hard else 0.0
+    # The soft loss from d = log T - log S by the unsharded loss's own step (see there): its
+    # row sums are this rank's shares; K, the sum over the row that the gradient needs, is
+    # round 3.
     diff = torch.sub(log_t, log_s, out=work)
-    if beta == 0.0:
-        # KL(T||S) = sum(T d) + sum(S - T); gradient (S - T) / tau.
-        prob_t = log_t.exp_()
-        soft_rows = torch.nansum(diff.mul_(prob_t), 1)
-        prob_s = log_s.exp_()
-        last_term = torch.sub(prob_s, prob_t, out=prob_t)
-        soft_rows += last_term.sum(1)
-        grad = prob_s.mul_(shared_hard)
-        last_scale = weight_soft / temperature
-    elif beta == 1.0:
-        # KL(S||T) = -sum(S d) - sum(S - T); gradient S * (K - d) / tau, K = sum(S d).
-        prob_s = log_s.exp_()
-        s_minus_t = torch.sub(prob_s, log_t.exp_(), out=log_t)
-        diff.clamp_min_(torch.finfo(diff.dtype).min)
-        last_term = diff.mul_(prob_s)
-        k_rows = last_term.sum(1)
-        soft_rows = -k_rows - s_minus_t.sum(1)
-        grad_scale = weight_soft / temperature
-        grad = prob_s.mul_(group.sum_(k_rows).mul_(grad_scale).add_(shared_hard).unsqueeze(1))
-        last_scale = -grad_scale
-    else:
-        # beta sum(T d) - sum(S L) - sum(S L b), L = log1p(b), b = beta expm1(d); gradient
-        # (1 - beta) / tau * S * (K - L), K = sum(S L).
-        soft_rows = torch.nansum(log_t.exp_().mul_(diff), 1).mul_(beta)
-        prob_s = log_s.exp_()
-        mix_ratio = diff.expm1_().mul_(beta)
-        last_term = torch.special.xlog1py(prob_s, mix_ratio, out=log_t)
-        k_rows = last_term.sum(1)
-        soft_rows -= k_rows + mix_ratio.mul_(last_term).sum(1)
-        grad_scale = weight_soft * (1.0 - beta) / temperature
-        grad = prob_s.mul_(group.sum_(k_rows).mul_(grad_scale).add_(shared_hard).unsqueeze(1))
-        last_scale = -grad_scale
+    prob_s = log_s.exp_()
+    row_sums = student.new_empty((3, student.shape[0]))  # the most soft_terms_ records
+    grad, last_term, last_scale = soft_terms_(
+        log_t,
+        diff,
+        prob_s,
+        row_sums,
+        options=options,
+        shared_hard=weight_hard if shared and compute_hard else 0.0,
+        whole_row=lambda k: group.sum_(k.clone()),
+    )
+    soft_share = soft_rows(row_sums, beta)
 
     if compute_hard and weight_hard != 0.0:
         grad.scatter_add_(1, column, torch.where(held, -weight_hard, 0.0).to(grad.dtype))
@@ -151,7 +131,7 @@ def jsd_chunk_(
             grad.add_(prob_hard, alpha=weight_hard)
     # The last op writes the gradient, rounded once to the matmul dtype where it differs.
     if grad_dtype == grad.dtype:
-        return soft_rows, hard_rows, grad.add_(last_term, alpha=last_scale)
+        return soft_share, hard_rows, grad.add_(last_term, alpha=last_scale)
     grad_logits = torch.empty(grad.shape, dtype=grad_dtype, device=grad.device)
     torch.add(grad, last_term, alpha=last_scale, out=grad_logits)
-    return soft_rows, hard_rows, grad_logits
+    return soft_share, hard_rows, grad_logits
