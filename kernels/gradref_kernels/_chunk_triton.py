@@ -326,6 +326,21 @@ if triton is not None:
         scaled = _rounded_to(values * scale, dst_ptr.dtype.element_ty, INTERPRETED)
         tl.store(dst_ptr + offs, scaled, mask=in_range)
 
+    if not isinstance(_jsd_chunk_kernel, triton.JITFunction):
+        # Triton's CPU interpreter (TRITON_INTERPRET=1) patches triton.language anew on every
+        # call of a @triton.jit device function (about 0.6 ms a call in Triton 3.9, which the
+        # row kernel makes per tile), though a kernel's grid runs with it patched throughout.
+        # There the helpers are their plain Python functions, called as Python calls. The
+        # interpreter's rewriting of a device function (assignments made tensors, chained
+        # comparisons split) would change nothing in them: they assign only tensors and chain
+        # no comparison.
+        _log2_fast = getattr(_log2_fast, "fn", _log2_fast)
+        _logaddexp2 = getattr(_logaddexp2, "fn", _logaddexp2)
+        _series_argument = getattr(_series_argument, "fn", _series_argument)
+        _log_mixture_ratio = getattr(_log_mixture_ratio, "fn", _log_mixture_ratio)
+        _rounded_to = getattr(_rounded_to, "fn", _rounded_to)
+        _online_lse2 = getattr(_online_lse2, "fn", _online_lse2)
+
 
 def _compiled() -> bool:
     """False when TRITON_INTERPRET=1 was set as the kernels were defined."""
