@@ -239,7 +239,7 @@ def grad_input_rounded_twice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def unstable_mixture_log(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mixture log ``L = log(M / S)`` computed as ``log(1 + b)``, ``b = beta * (exp(d) -
-    1)``, with plain exp and log: in ``_chunk_torch._slice_`` (0 < beta < 1)
+    1)``, with plain exp and log: in ``_chunk_torch.soft_terms_`` (0 < beta < 1)
     ``diff.expm1_()`` becomes ``diff.exp_().sub_(1.0)`` and ``torch.special.xlog1py(prob_s,
     mix_ratio)`` becomes ``xlogy(prob_s, 1 + mix_ratio)``. Models the textbook form of the
     module docstring's stable one: where the student is close to the teacher (d small) both
@@ -255,7 +255,7 @@ def unstable_mixture_log(monkeypatch: pytest.MonkeyPatch) -> None:
     _rewrite(
         monkeypatch,
         _chunk_torch,
-        "_slice_",
+        "soft_terms_",
         [
             ("diff.expm1_().mul_(beta)", "diff.exp_().sub_(1.0).mul_(beta)", 1),
             (
@@ -289,7 +289,7 @@ def grad_weight_scale_1pct(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def soft_sum_vocabulary_slice_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The soft loss's value-only row sum ``sum(T d)`` in ``_chunk_torch._slice_`` taken over
+    """The soft loss's value-only row sum ``sum(T d)`` in ``_chunk_torch.soft_terms_`` taken over
     all but the last sixteenth of the vocabulary: a masked tail block of a reduction that
     only a reported value sees (an aux sum, a metric), with every gradient left exact. Such a
     sum cancels (T d is small where S ~ T), so its error is judged against its terms' spread,
@@ -305,7 +305,7 @@ def soft_sum_vocabulary_slice_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
     _rewrite(
         monkeypatch,
         _chunk_torch,
-        "_slice_",
+        "soft_terms_",
         [("torch.nansum(", "_mutation_nansum_but_a_slice(", 2)],
         {"_mutation_nansum_but_a_slice": nansum_but_a_slice},
     )
@@ -348,7 +348,7 @@ def _adopter_module(name: str) -> Any:
 
 def reorder_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     """CONTROL, not a mistake: every per-row ``torch.sum`` over the vocabulary in
-    ``_chunk_torch._slice_`` (sum(S - T), sum(S d), K = sum(S L), sum(S L b)) summed as its
+    ``_chunk_torch.soft_terms_`` (sum(S - T), sum(S d), K = sum(S L), sum(S L b)) summed as its
     first half plus its second half. Exact in real arithmetic; it moves only the float
     rounding of the reduction order, as another CPU's vector width or another thread count
     does, so the checks must not call it a regression."""
@@ -365,7 +365,7 @@ def reorder_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     _rewrite(
         monkeypatch,
         _chunk_torch,
-        "_slice_",
+        "soft_terms_",
         [("torch.sum(", "_mutation_sum_in_halves(", 5)],
         {"_mutation_sum_in_halves": sum_in_halves},
     )
