@@ -9,7 +9,7 @@ epsilon, the compute dtype) is in verdict/dtypes.py, the items and their judge i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Union
 
 from pytest_gradref.config.number_settings import check_number
@@ -189,6 +189,13 @@ class CheckPolicy:
                 "check would use: give default_budget= too (pytest_gradref's default is "
                 f"{DEFAULT_BUDGET:g}), or leave default_golden=None to compare with tolerances"
             )
+
+    def with_default_golden(self, golden: torch.dtype) -> CheckPolicy:
+        """This policy with the default verdict's golden ``golden``, and its budget, or
+        DEFAULT_BUDGET where it has none: what the deprecated ``default_golden=`` arguments
+        of GradReference and compute_reference set."""
+        budget = self.default_budget if self.default_budget is not None else DEFAULT_BUDGET
+        return replace(self, default_golden=golden, default_budget=budget)
 
     def tolerance(
         self,

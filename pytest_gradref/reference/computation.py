@@ -21,7 +21,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from pytest_gradref.config.strategies import STRATEGIES, STRATEGY_CHOICES, Strategy, StrategyChoice
-from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy, dtype_name
+from pytest_gradref.config.tolerances import CheckPolicy, dtype_name
 from pytest_gradref.reference.auxiliary import AuxLeaf, AuxValue, aux_items, pair_aux
 from pytest_gradref.reference.differentiation import (
     STRATEGY_FUNCTIONS,
@@ -109,8 +109,7 @@ def compute_reference(
             DeprecationWarning,
             stacklevel=user_stacklevel(),
         )
-        budget = policy.default_budget if policy.default_budget is not None else DEFAULT_BUDGET
-        policy = replace(policy, default_golden=default_golden, default_budget=budget)
+        policy = policy.with_default_golden(default_golden)
     if strategy not in STRATEGY_CHOICES:
         raise ValueError(f"strategy must be one of {STRATEGY_CHOICES}, got {strategy!r}")
     if not callable(fn):

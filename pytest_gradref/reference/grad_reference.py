@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pytest_gradref.config.strategies import Strategy, StrategyChoice
-from pytest_gradref.config.tolerances import DEFAULT_BUDGET, CheckPolicy, dtype_name
+from pytest_gradref.config.tolerances import CheckPolicy, dtype_name
 from pytest_gradref.reference.computation import Argnums, ParamSelection, compute_reference
 from pytest_gradref.reference.differentiation import Outputs
 from pytest_gradref.reference.recording import Recording
@@ -54,12 +54,7 @@ class GradReference:
                 DeprecationWarning,
                 stacklevel=user_stacklevel(),
             )
-            budget = self.policy.default_budget
-            policy = replace(
-                self.policy,
-                default_golden=self.default_golden,
-                default_budget=budget if budget is not None else DEFAULT_BUDGET,
-            )
+            policy = self.policy.with_default_golden(self.default_golden)
             object.__setattr__(self, "policy", policy)
             object.__setattr__(self, "default_golden", None)
 
