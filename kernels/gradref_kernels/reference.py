@@ -64,16 +64,17 @@ def jsd_distillation_reference(
     hard = F.cross_entropy(student_logits, labels, ignore_index=ignore_index, reduction="sum")
 
     pad = teacher_logits.shape[-1] - vocab
-    log_s = F.log_softmax(F.pad(student_logits / temperature, (0, pad)), dim=-1)
+    scaled_student = student_logits / temperature
+    if pad:
+        scaled_student = F.pad(scaled_student, (0, pad))
+    log_s = F.log_softmax(scaled_student, dim=-1)
     log_t = F.log_softmax(teacher_logits / temperature, dim=-1)
     if beta == 0:
         per_token = F.kl_div(log_s, log_t, reduction="none", log_target=True)
     elif beta == 1:
         per_token = F.kl_div(log_t, log_s, reduction="none", log_target=True)
     else:
-        log_m = torch.logsumexp(
-            torch.stack([log_s + math.log(1 - beta), log_t + math.log(beta)]), dim=0
-        )
+        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_t + math.log(beta))
         per_token = beta * F.kl_div(log_m, log_t, reduction="none", log_target=True) + (
             1 - beta
         ) * F.kl_div(log_m, log_s, reduction="none", log_target=True)
