@@ -110,7 +110,10 @@ def launched_rank(environ: Mapping[str, str]) -> LaunchedRank | None:
 def refuse_reordering(config: pytest.Config, launched: LaunchedRank) -> None:
     """A usage error where a plugin would give the ranks different tests or orders."""
     where = f"under a launcher ({launched.header()})"
-    if config.getoption("numprocesses", None) or config.getoption("dist", "no") != "no":
+    # As pytest-xdist decides: it distributes only where it has workers (-n or --tx), so a
+    # --dist in a project's addopts, without them, leaves each rank whole.
+    distributes = config.getoption("dist", "no") != "no" and config.getoption("tx", None)
+    if config.getoption("numprocesses", None) or distributes:
         raise pytest.UsageError(
             f"{where} each launcher process is one rank and runs every test itself; "
             "pytest-xdist would split the tests among workers of each rank: drop -n/--dist "

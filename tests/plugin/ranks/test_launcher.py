@@ -24,6 +24,7 @@ from pytest_gradref.ranks.launcher import (
     LaunchedRank,
     first_difference,
     launched_rank,
+    refuse_reordering,
 )
 
 LAUNCHED = {
@@ -88,6 +89,29 @@ def test_plugins_that_reorder_the_ranks_tests_are_refused(
     result = pytester.runpytest_inprocess(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: under a launcher (torchrun: rank 1 of 2 *{option}*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "refused"),
+    [
+        # A --dist in a project's addopts, with no -n or --tx: pytest-xdist starts no workers,
+        # so each rank runs every test itself.
+        (("--dist", "worksteal"), False),
+        (("--dist", "load", "--tx", "popen"), True),
+        (("-n", "2"), True),
+    ],
+    ids=["dist-without-workers", "dist-with-tx", "n"],
+)
+def test_xdist_is_refused_only_where_it_would_start_workers(
+    pytester: pytest.Pytester, args: tuple[str, ...], refused: bool
+) -> None:
+    config = pytester.parseconfig(*args, "-p", "no:randomly")
+    launched = launched_rank(LAUNCHED)
+    if refused:
+        with pytest.raises(pytest.UsageError, match="drop -n/--dist"):
+            refuse_reordering(config, launched)
+    else:
+        refuse_reordering(config, launched)
 
 
 # Each rank writes what it saw of each test; the tests read it back by rank.
