@@ -431,6 +431,11 @@ class LauncherHooks(RankHooks):
         dist.all_gather_object(counts, mine)
         self._counts = [c or {} for c in counts]
         self._gather_records()
+        # gather_object returns on a sending rank once its send is queued, while rank 0 may
+        # still be receiving; a rank that destroyed the group then could hang both ranks in
+        # destroy_process_group (torch 2.6 with gloo, under load: 4 of 15 jobs, none of 24
+        # with the barrier). The barrier lets every rank finish its traffic first.
+        dist.barrier()
         dist.destroy_process_group()
 
     def _gather_records(self) -> None:
