@@ -75,6 +75,12 @@ if triton is not None:
     # |log2(T / S)| below which L comes from its series: |log(T / S)| < 0.25.
     _SERIES_RADIUS2 = tl.constexpr(0.25 / _LN2)
 
+    # The device functions of triton.language that the row kernel calls, named here so that
+    # the interpreter can call them as plain functions, like this module's helpers (below).
+    # (tl.zeros is one too: the kernel calls tl.full, the builtin it wraps.)
+    _tl_max = tl.max
+    _tl_sum = tl.sum
+
     @triton.jit
     def _log2_fast(x, FAST_LOG2: tl.constexpr):
         # The hardware lg2.approx is within 2e-7 of log2 on [1, 2) and one instruction instead
@@ -131,7 +137,7 @@ if triton is not None:
         Returns the new max, the rescaled sums, the factor old sums were rescaled by and the
         tile's 2**(x - m_new), so callers can rescale their own weighted sums alike.
         """
-        m_new = tl.maximum(m, tl.max(x, 0))
+        m_new = tl.maximum(m, _tl_max(x, 0))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(x - m_new)
         return m_new, d * alpha + p, alpha, p
@@ -178,7 +184,7 @@ if triton is not None:
         label = tl.load(label_ptr + row)
 
         if label == ignore_index:
-            zero = tl.zeros([BLOCK_V], tl.float32)
+            zero = tl.full([BLOCK_V], 0, tl.float32)
             for start in range(0, vs, BLOCK_V):
                 cols = start + offs
                 tl.store(out_row + cols, zero.to(out_ptr.dtype.element_ty), mask=cols < vs)
@@ -189,10 +195,10 @@ if triton is not None:
             m_s = _NEG
             m_t = _NEG
             m_z = _NEG
-            d_s = tl.zeros([BLOCK_V], tl.float32)
-            d_t = tl.zeros([BLOCK_V], tl.float32)
-            d_z = tl.zeros([BLOCK_V], tl.float32)
-            e = tl.zeros([BLOCK_V], tl.float32)  # beta 1: E_S[s - t] terms
+            d_s = tl.full([BLOCK_V], 0, tl.float32)
+            d_t = tl.full([BLOCK_V], 0, tl.float32)
+            d_z = tl.full([BLOCK_V], 0, tl.float32)
+            e = tl.full([BLOCK_V], 0, tl.float32)  # beta 1: E_S[s - t] terms
             z_label = 0.0
             if HARD:
                 # An out-of-range label reads nothing and turns the hard loss into NaN.
@@ -218,26 +224,26 @@ if triton is not None:
                     xz = tl.where(cols < vs, z * _LOG2E_K, _NEG)
                     m_z, d_z, _, _ = _online_lse2(m_z, d_z, xz)
 
-            sum_s = tl.sum(d_s, 0)
-            sum_t = tl.sum(d_t, 0)
+            sum_s = _tl_sum(d_s, 0)
+            sum_t = _tl_sum(d_t, 0)
             lse_s = m_s + tl.log2(sum_s)
             lse_t = m_t + tl.log2(sum_t)
             lse_z = lse_s
             if HARD and not SHARE_LSE:
-                lse_z = m_z + tl.log2(tl.sum(d_z, 0))
+                lse_z = m_z + tl.log2(_tl_sum(d_z, 0))
 
             # The gradient's row constant, in natural units: KL(S||T) for beta = 1 (from pass
             # 1), K = sum(S L) for the mixture (pass 2).
             k = 0.0
             if SOFT_LOSS == _KL_STUDENT_TEACHER_K:
-                k = (tl.sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
+                k = (_tl_sum(e, 0) / sum_s - lse_s + lse_t) * _LN2_K
             if SOFT_LOSS == _JSD_MIXTURE_K:
                 # Pass 2: the loss, beta sum(T (d - L)) - (1 - beta) sum(S L) with
                 # d = log T - log S and L = log(M / S) (= beta sum(T d) - sum(M L), see
                 # _chunk_torch): every term is small where S ~ T, none a difference of large
                 # ones; and K = sum(S L). Needs both final log-sum-exps.
-                acc_t = tl.zeros([BLOCK_V], tl.float32)
-                acc_s = tl.zeros([BLOCK_V], tl.float32)
+                acc_t = tl.full([BLOCK_V], 0, tl.float32)
+                acc_s = tl.full([BLOCK_V], 0, tl.float32)
                 # Backwards, so the first tiles re-read are the ones pass 1 read last and the
                 # L2 cache may still hold; the last pass then runs forwards for the same reason.
                 last_t = (vt - 1) // BLOCK_V * BLOCK_V
@@ -266,8 +272,8 @@ if triton is not None:
                     )
                     acc_t += tl.where(in_t, tl.exp2(lt) * (d2 * _LN2_K - el), 0.0)
                     acc_s += tl.where(in_t, tl.exp2(ls) * el, 0.0)
-                k = tl.sum(acc_s, 0)
-                tl.store(soft_ptr + row, beta * tl.sum(acc_t, 0) - (1.0 - beta) * k)
+                k = _tl_sum(acc_s, 0)
+                tl.store(soft_ptr + row, beta * _tl_sum(acc_t, 0) - (1.0 - beta) * k)
             if HARD:
                 tl.store(hard_ptr + row, lse_z * _LN2_K - z_label)
 
@@ -275,7 +281,7 @@ if triton is not None:
             # KL endpoints, the loss: KL(T||S) = sum(T d + S - T), KL(S||T) = sum(-S d - S + T),
             # small terms where S ~ T (the lse_t - lse_s of pass 1 would carry their rounding).
             # Each tile is written after it is read, so the output may be the teacher logits.
-            acc = tl.zeros([BLOCK_V], tl.float32)
+            acc = tl.full([BLOCK_V], 0, tl.float32)
             width = vs if SOFT_LOSS == _JSD_MIXTURE_K else vt
             last = (width - 1) // BLOCK_V * BLOCK_V
             for i in range(0, width, BLOCK_V):
@@ -313,7 +319,7 @@ if triton is not None:
                 rounded = _rounded_to(g, out_ptr.dtype.element_ty, INTERPRETED)
                 tl.store(out_row + cols, rounded, mask=in_s)
             if SOFT_LOSS != _JSD_MIXTURE_K:
-                tl.store(soft_ptr + row, tl.sum(acc, 0) * _LN2_K)
+                tl.store(soft_ptr + row, _tl_sum(acc, 0) * _LN2_K)
 
     @triton.jit
     def _scaled_cast_kernel(
@@ -330,16 +336,18 @@ if triton is not None:
         # Triton's CPU interpreter (TRITON_INTERPRET=1) patches triton.language anew on every
         # call of a @triton.jit device function (about 0.6 ms a call in Triton 3.9, which the
         # row kernel makes per tile), though a kernel's grid runs with it patched throughout.
-        # There the helpers are their plain Python functions, called as Python calls. The
-        # interpreter's rewriting of a device function (assignments made tensors, chained
-        # comparisons split) would change nothing in them: they assign only tensors and chain
-        # no comparison.
+        # There this module's helpers, tl.max and tl.sum are their plain Python functions,
+        # called as Python calls. The interpreter's rewriting of a device function
+        # (assignments made tensors, chained comparisons split) would change nothing in them:
+        # they assign only tensors and chain no comparison.
         _log2_fast = getattr(_log2_fast, "fn", _log2_fast)
         _logaddexp2 = getattr(_logaddexp2, "fn", _logaddexp2)
         _series_argument = getattr(_series_argument, "fn", _series_argument)
         _log_mixture_ratio = getattr(_log_mixture_ratio, "fn", _log_mixture_ratio)
         _rounded_to = getattr(_rounded_to, "fn", _rounded_to)
         _online_lse2 = getattr(_online_lse2, "fn", _online_lse2)
+        _tl_max = getattr(_tl_max, "fn", _tl_max)
+        _tl_sum = getattr(_tl_sum, "fn", _tl_sum)
 
 
 def _compiled() -> bool:
