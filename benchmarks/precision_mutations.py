@@ -64,13 +64,13 @@ BASELINE = "tests/kernels/precision-baseline-cpu.json"
 UNMUTATED = "none"
 
 # The kernel-suite tests each run takes: those that judge precision, on the PyTorch path, at the
-# small sizes, in bfloat16 and float32 (30 s of the suite's 650 s). Every mutated line runs in
-# them, and each mutation that a run of the whole suite but for the Triton tests caught has a
-# catching test among them (benchmarks/results/cpu/precision_mutations.txt). Left out: the
-# Triton kernel's tests (its CPU interpreter is slow, and the mutations change the PyTorch
+# small sizes, in bfloat16 and float32 (a small share of the suite's time). Every mutated line
+# runs in them, and each mutation that a run of the whole suite but for the Triton tests caught
+# has a catching test among them (benchmarks/results/cpu/precision_mutations.txt). Left out:
+# the Triton kernel's tests (its CPU interpreter is slow, and the mutations change the PyTorch
 # chunk math or the chunk loop both paths share), torch.compile's (the same operators,
-# compiled around), the 8x128x1024x4096 reference cases (10 s each here), float16's loss
-# scaling (15 s; the bfloat16 tests run the same lines), the chunk tests' second PyTorch
+# compiled around), the 8x128x1024x4096 reference cases (the suite's slowest), float16's loss
+# scaling (slow; the bfloat16 tests run the same lines), the chunk tests' second PyTorch
 # variant (the same math in slices) and the tests that judge no precision.
 SUBSET_PATHS = ["tests/kernels/test_chunk_kernels.py", "tests/kernels/test_fused_linear_jsd.py"]
 SUBSET_K = (

@@ -334,8 +334,8 @@ if triton is not None:
 
     if not isinstance(_jsd_chunk_kernel, triton.JITFunction):
         # Triton's CPU interpreter (TRITON_INTERPRET=1) patches triton.language anew on every
-        # call of a @triton.jit device function (about 0.6 ms a call in Triton 3.9, which the
-        # row kernel makes per tile), though a kernel's grid runs with it patched throughout.
+        # call of a @triton.jit device function (the row kernel makes several per tile), though
+        # a kernel's grid runs with it patched throughout (the cost: CHANGELOG.md).
         # There this module's helpers, tl.max and tl.sum are their plain Python functions,
         # called as Python calls. The interpreter's rewriting of a device function
         # (assignments made tensors, chained comparisons split) would change nothing in them:

@@ -26,9 +26,9 @@ LOSS_CONFIGS = [  # temperature, weight_hard_loss, weight_soft_loss, beta
     (0.5, 1.0, 0.0, 0.2),
 ]
 SHAPES_AND_DTYPES = [  # (B, T, H, V), dtype
-    # On a CPU without native bfloat16 matmuls the large cases take ~14 s each (the 24 took
-    # half of the kernel suite's time on 2 cores): the exhaustive run (the test command and CI)
-    # covers all of them, the README's main job the smaller shapes.
+    # The large cases are most of the kernel suite's CPU time, the more so on a CPU without
+    # native bfloat16 matmuls (benchmarks/results/cpu/readme_commands.txt): the exhaustive run
+    # (the test command and CI) covers all of them, the README's main job the smaller shapes.
     pytest.param(
         (8, 128, 1024, 4096),
         torch.bfloat16,

@@ -3,11 +3,11 @@
 pytest-xdist starts each worker through execnet as ``python -u -c BOOTSTRAP`` with pipes for
 stdin and stdout. ``start_workers_forked(SOCKET)`` makes execnet start instead ``python -I -S
 _forked_python.py SOCKET -u -c BOOTSTRAP``: this script, standard library only and without
-site (about 20 ms), hands its stdin, stdout and stderr with the command, working directory and
-environment to the zygote listening on SOCKET, which forks the worker; the script ends as the
-worker does, with its exit status. The worker starts with torch imported instead of importing
-it (about 2 s a worker with torch._dynamo, on a 2-core CPU) and skips the interpreter's
-teardown (about 0.7 s).
+site (so it starts fast), hands its stdin, stdout and stderr with the command, working
+directory and environment to the zygote listening on SOCKET, which forks the worker; the
+script ends as the worker does, with its exit status. The worker starts with torch and
+torch._dynamo imported instead of importing them, and skips the interpreter's teardown
+(what each costs: benchmarks/results/cpu/readme_commands.txt).
 """
 
 from __future__ import annotations

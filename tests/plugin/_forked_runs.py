@@ -1,11 +1,11 @@
 """pytester's subprocess runs, forked from a process that has imported torch already.
 
 A test that needs its generated run in a process of its own (the run installs the simulated
-npu, or changes other process-wide torch state) pays for a new interpreter: on a 2-core CPU,
-a one-test run took 1.9 s as `python -m pytest`, of which importing torch and torch._dynamo
-is about 1.2 s and the interpreter's exit, which tears down every module torch loaded, about
-0.7 s; the run itself is about 0.4 s. A zygote, one per test process, imports both once and
-forks a child for each run: 0.4 s.
+npu, or changes other process-wide torch state) pays for a new interpreter: most of a one-test
+run as `python -m pytest` is importing torch and torch._dynamo and the interpreter's exit,
+which tears down every module torch loaded. A zygote, one per test process, imports both once
+and forks a child for each run, which leaves the run itself (the figures:
+benchmarks/results/cpu/readme_commands.txt).
 
 The child is the run's own process, as `python -m pytest` is: it takes the caller's working
 directory, environment and PYTHONPATH, and writes to its own stdout and stderr files. It

@@ -36,8 +36,8 @@ with contextlib.suppress(ModuleNotFoundError):
     import hypothesis  # noqa: F401
 
 # Every in-process run ends with pytest's garbage collection (twice: the run's cleanup and its
-# unconfigure), over all of this process's objects: about 0.14 s each with torch and
-# torch._dynamo loaded, on a 2-core CPU, for hundreds of runs. What is loaded by now stays
+# unconfigure), over all of this process's objects, torch and torch._dynamo's included, for
+# hundreds of runs. What is loaded by now stays
 # loaded, so it is frozen out of the collector's reach; it is unfrozen at exit, where the
 # interpreter's teardown collects it (frozen, Triton's bindings report their objects as leaked).
 gc.freeze()
@@ -107,8 +107,8 @@ def npu_on_cpu(pytester: pytest.Pytester) -> Callable[[str], None]:
 @pytest.fixture(autouse=True)
 def _forked_xdist_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pytest-xdist workers of in-process runs start as forks of the zygote
-    (_forked_python.py): about 2.7 s less for each on a 2-core CPU. A test that checks a
-    worker's own start runs its workers in a subprocess run (runpytest_subprocess)."""
+    (_forked_python.py), without an import of torch each. A test that checks a worker's own
+    start runs its workers in a subprocess run (runpytest_subprocess)."""
     if "pytester" not in request.fixturenames or not hasattr(socket, "send_fds"):
         return
     try:

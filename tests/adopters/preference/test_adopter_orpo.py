@@ -44,8 +44,8 @@ def test_orpo(
 
 # Compiling costs seconds a graph on a CPU, so one case per dtype. aot_eager traces what
 # compiling changes (Dynamo through the autograd.Function, its chunk loop and grad_and_value,
-# AOTAutograd's joint graph); Inductor's code generation adds 12-47 s a graph on a 2-core CPU
-# host. On the simulated npu compiled frames run eagerly (the run's header says so).
+# AOTAutograd's joint graph); Inductor's code generation would add far more per graph on a
+# CPU host. On the simulated npu compiled frames run eagerly (the run's header says so).
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_orpo_compiled(
     grad_reference: GradReference, gradref_device: torch.device, dtype: torch.dtype
