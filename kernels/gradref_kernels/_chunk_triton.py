@@ -348,6 +348,10 @@ if triton is not None:
         _online_lse2 = getattr(_online_lse2, "fn", _online_lse2)
         _tl_max = getattr(_tl_max, "fn", _tl_max)
         _tl_sum = getattr(_tl_sum, "fn", _tl_sum)
+        # Their bodies call builtins of triton.language.core, which the interpreter patches for
+        # a kernel only where that module is among the globals of the kernel's module (Triton
+        # 3.2 and 3.4 need this; 3.9 patches its reduction anyway).
+        _tl_core = tl.core
 
 
 def _compiled() -> bool:
