@@ -148,8 +148,12 @@ def _writes(func: Any) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
 
-# The exponent bits of a float64: masked, they leave 2**floor(log2|x|) (0 for 0).
-_FLOAT64_EXPONENT = 0x7FF0000000000000
+# Each working dtype's integer view and exponent bits: masked, they leave 2**floor(log2|x|)
+# (0 for 0).
+_EXPONENT_BITS = {
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
 
 
 def _digits(dtype: torch.dtype) -> int:
@@ -289,29 +293,38 @@ class RandomRounding(ResultMode):
         if exempt or result.is_complex():
             return result
         half = torch.finfo(target).eps > torch.finfo(torch.float32).eps
-        value = result.to(torch.float64)
+        # The noise is worked in float32 unless the result is float64 (a rounded reference's
+        # float64 step): float32 carries it, and the value it perturbs, with 2**-24 of their
+        # size, a step of the target's rounding 2**-16 (bf16) or 2**-13 (fp16) of one, or,
+        # for a float32 target, one rounding of the perturbed value to nearest, which is the
+        # one the noise models; half the memory traffic of float64 and a cheaper draw.
+        work = torch.float64 if result.dtype == torch.float64 else torch.float32
+        value = result.to(work)
         if half and target == result.dtype and not _writes(func):
             try:  # the result before its rounding: the operation in float32
                 found = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
                 exact = found[position] if isinstance(found, (tuple, list)) else found
-                value = exact.to(torch.float64)
+                value = exact.to(work)
             except (RuntimeError, TypeError, NotImplementedError):
                 pass  # rounded again as it is
         if position == 0 and (packet in _SUMS or packet is _aten.nll_loss_forward):
             terms = self._terms(func, args, kwargs)
             if terms is not None:
                 unit = torch.finfo(accumulation_dtype(target)).eps / 2
-                value = value + self._uniform(value) * terms.to(value).abs() * unit
+                magnitudes = terms.to(value).abs()
+                value = torch.addcmul(value, self._uniform(value), magnitudes, value=unit)
         if not half:  # one more rounding's error, then to nearest
             unit = torch.finfo(target).eps / 2
-            return (value + self._uniform(value) * value.abs() * unit).to(target).to(result.dtype)
+            noisy = torch.addcmul(value, self._uniform(value), value.abs(), value=unit)
+            return noisy.to(target).to(result.dtype)
         # Stochastic rounding: dithered by up to half a step of the target dtype at each
         # element's magnitude, then rounded to nearest. |x| in [2**k, 2**(k+1)) has a step of
-        # 2**(k + 1 - digits); 2**k is x's float64 exponent bits alone (0 for a zero, which is
-        # exact and stays so; a third of the time of frexp and ldexp).
-        power = (value.view(torch.int64) & _FLOAT64_EXPONENT).view(torch.float64)
+        # 2**(k + 1 - digits); 2**k is x's exponent bits alone (0 for a zero, which is exact
+        # and stays so, and for a float32 subnormal, far below any step of interest).
+        bits, exponent = _EXPONENT_BITS[work]
+        power = (value.view(bits) & exponent).view(work)
         half_step = power * 2.0 ** -_digits(target)
-        dithered = value + self._uniform(value) * half_step
+        dithered = torch.addcmul(value, self._uniform(value), half_step)
         return dithered.to(target).to(result.dtype)
 
 

@@ -180,12 +180,14 @@ def test_worse(grad_reference):
         "-p", "no:randomly", f"--gradref-strategy={strategy}", "--gradref-report=report.json"
     )
     result.assert_outcomes(failed=1)
+    # The normwise error is what four times the rounded reference's error cannot hide in:
+    # 0.0139 against the rounding spread's 2 x rms 0.0039. The greatest error, one element's,
+    # is 2.3 times the spread runs' typical greatest error (0.00059 +- 0.00016 over 48 runs),
+    # so whether it also exceeds the spread's allowance depends on the runs' draw.
     result.stdout.fnmatch_lines(
         [
             "*1 of 3 items differ*",
             "*- gradient of argument 1 (w):",
-            "*greatest error vs the float64 golden: * at index (*), *x the bfloat16-rounded "
-            "reference's own * (the bfloat16 reference's is *); allowed: budget 2 x * + floor *",
             "*normwise error vs the float64 golden: * (relative *), *x the bfloat16-rounded "
             "reference's own *; allowed: budget 2 x * + floor *",
         ]

@@ -24,7 +24,7 @@ import torch
 from _verdict_calls import failure, reference
 
 from pytest_gradref import GoldenPrecisionWarning
-from pytest_gradref.reference.spread import RUNS
+from pytest_gradref.reference.spread import RUNS, RandomRounding
 from pytest_gradref.verdict.budget_criteria import spread_factor
 
 # --- no red from summation order ------------------------------------------------------------
@@ -261,6 +261,46 @@ def test_the_spread_is_reproducible_and_leaves_the_test_rng_alone() -> None:
     # and the runs differ from each other and from the reference, by rounding
     errors = [float((run.aux[0] - ref.golden.aux[0]).abs()) for run in first]
     assert len(set(errors)) == RUNS
+
+
+@pytest.mark.parametrize(
+    ("result", "target"),
+    [
+        (torch.bfloat16, torch.bfloat16),  # half precision, computed again in float32
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),  # a rounded reference's steps, kept in their dtype
+        (torch.float64, torch.bfloat16),
+    ],
+    ids=str,
+)
+def test_stochastic_rounding_rounds_up_as_often_as_the_value_is_near_the_step_above(
+    result: torch.dtype, target: torch.dtype
+) -> None:
+    # Each product lies between two neighbours of the target's grid; a randomly rounded run
+    # takes the one above with the probability of the product's distance from the one below.
+    # Rounding to nearest (a dither lost to the working dtype's own rounding) takes it never
+    # below half a step and always above.
+    a = 1 + torch.rand(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = a.to(result)
+    factor = 1.3
+    exact = (a.to(torch.promote_types(result, torch.float32)) * factor).double()
+    digits = round(-math.log2(torch.finfo(target).eps)) + 1
+    step = torch.exp2(torch.floor(torch.log2(exact)) + 1 - digits)
+    below = torch.floor(exact / step) * step
+    distance = (exact - below) / step
+    with RandomRounding(0, None if result == target else target):
+        rounded = a * factor
+    assert rounded.dtype == result
+    # (Within half a step above a power of two the dither reaches the finer grid below it,
+    # so those products are left out.)
+    clear = torch.floor(torch.log2(exact - step / 2)) == torch.floor(torch.log2(exact))
+    up = rounded.double() > below
+    assert torch.equal(rounded.double()[clear], torch.where(up, below + step, below)[clear])
+    for low, high in ((0.05, 0.45), (0.55, 0.95)):
+        band = (distance > low) & (distance < high) & clear
+        share = up[band].double().mean() - distance[band].mean()
+        # about 1000 products a band: 4 standard errors of the share rounded up
+        assert abs(float(share)) < 4 * 0.5 / math.sqrt(int(band.sum())), (low, float(share))
 
 
 def masked_loss(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
