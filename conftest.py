@@ -23,12 +23,3 @@ def pytest_configure(config: pytest.Config) -> None:
 
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # xdist hands tests out in collection order and queues a few on each worker: a long test
-    # near the end keeps one worker busy while the other has nothing left. The long ones go
-    # first, each group still in the order pytest-randomly shuffled it (the sort is stable,
-    # and runs after the shuffle).
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -163,7 +163,6 @@ def test_loss_options_convert_themselves() -> None:
     assert names[start : start + len(fields)] == fields
 
 
-@pytest.mark.long
 @opcheck_xfail_npu
 @pytest.mark.gradref_ranks(2)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -172,7 +172,6 @@ def test_two_ranks_match_the_full_reference(
     )
 
 
-@pytest.mark.long
 @pytest.mark.gradref_xfail(
     "npu",
     reason="Dynamo cannot trace the simulated npu's tensor subclass (fullgraph=True raises)",
@@ -287,7 +286,6 @@ def test_what_crosses_the_collective(gradref_rank: Any, gradref_device: torch.de
 
 
 # Last, so that the 2-rank tests above share one pool of rank processes.
-@pytest.mark.long
 @pytest.mark.parametrize(CASE, FOUR_RANKS)
 @pytest.mark.gradref_ranks(4)
 def test_four_ranks_match_the_full_reference(

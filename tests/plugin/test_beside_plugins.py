@@ -216,7 +216,6 @@ def test_a_second_reference(grad_reference):
 """
 
 
-@pytest.mark.long
 def test_under_coverage_and_xdist_workers(pytester: pytest.Pytester) -> None:
     # pytest-cov measures the plugin's own code in each xdist worker while gradref runs its
     # hooks there and writes a report: the combination a CI job with --cov runs.

@@ -50,7 +50,6 @@ def test_plan(choice: int | str, workers: int | None, omp: str | None, count: in
     assert plan_threads(choice, workers, 16, omp).count == count
 
 
-@pytest.mark.long
 @pytest.mark.skipif(
     not hasattr(__import__("os"), "sched_getaffinity"), reason="needs os.sched_getaffinity"
 )
@@ -69,7 +68,6 @@ def test_split_among_xdist_workers(
     )
 
 
-@pytest.mark.long
 def test_a_count_is_applied_without_xdist(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -82,7 +80,6 @@ def test_a_count_is_applied_without_xdist(
     result.stdout.fnmatch_lines(["gradref: device=cpu * threads=1 (1 thread(s), from *)"])
 
 
-@pytest.mark.long
 def test_the_default_leaves_torch_alone(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -484,7 +484,6 @@ def test_compiled_code_runs_eagerly(gradref_device):
 """
 
 
-@pytest.mark.long
 @needs_simulation
 def test_other_libraries_live_with_the_simulation(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(OTHER_LIBRARIES)
@@ -564,7 +563,6 @@ FIRST_ANSWER = is_torch_npu_available()
 """
 
 
-@pytest.mark.long
 @needs_simulation
 def test_a_probe_before_the_install_is_named_at_the_start(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
@@ -595,7 +593,6 @@ def test_the_cached_probe_was_cleared():
     )
 
 
-@pytest.mark.long
 @needs_simulation
 def test_a_plugin_loaded_by_a_conftest_says_it_came_late(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(

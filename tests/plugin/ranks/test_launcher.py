@@ -250,7 +250,6 @@ NONE = "test_tp.py::test_vocab_parallel[none]"
 ITEMS = ("value", "gradient of argument 0 (x)")  # and w's shard, named by rank
 
 
-@pytest.mark.long
 def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(CONFTEST)
     pytester.makepyfile(test_tp=TENSOR_PARALLEL)
@@ -300,7 +299,6 @@ def test_each_process_torchrun_starts_is_one_rank(pytester: pytest.Pytester) -> 
         )
 
 
-@pytest.mark.long
 def test_two_torchrun_agents_meet_as_two_nodes(pytester: pytest.Pytester) -> None:
     # What two nodes run, each with its --node-rank, here on the loopback address.
     pytester.makeconftest(CONFTEST)
@@ -337,7 +335,6 @@ def test_two_torchrun_agents_meet_as_two_nodes(pytester: pytest.Pytester) -> Non
     _check_two_ranks(pytester.path, output)
 
 
-@pytest.mark.long
 def test_ranks_that_collect_different_tests_fail_before_any_runs(
     pytester: pytest.Pytester,
 ) -> None:
@@ -367,7 +364,6 @@ if os.environ["RANK"] == "1":
     assert " passed" not in output
 
 
-@pytest.mark.long
 def test_a_hung_rank_prints_its_stack_and_ends_the_job(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_tp="""
@@ -393,7 +389,6 @@ def test_rank_1_skips_the_all_reduce(gradref_rank):
     assert re.search(r'File ".*test_tp.py", line \d+ in test_rank_1_skips_the_all_reduce', output)
 
 
-@pytest.mark.long
 def test_a_crashed_rank_ends_the_job_naming_it(pytester: pytest.Pytester) -> None:
     # Rank 1's process dies in the test (a kernel's segfault would): torchrun
     # (--max-restarts=0) ends the job, rank 0 waiting in the all-reduce included, and names
@@ -424,7 +419,6 @@ def test_rank_1_crashes(gradref_rank):
     assert " passed" not in output
 
 
-@pytest.mark.long
 def test_a_peer_that_fails_before_a_collective_ends_the_job_soon(
     pytester: pytest.Pytester,
 ) -> None:

@@ -233,7 +233,6 @@ def test_on_the_same_ranks(gradref_rank):
 """
 
 
-@pytest.mark.long
 def test_failing_hung_and_crashed_ranks_fail_their_tests(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,7 +353,6 @@ def test_side_by_side(i, gradref_rank, worker_id):
 """
 
 
-@pytest.mark.long
 def test_two_multi_rank_tests_run_side_by_side_under_xdist(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -518,7 +516,6 @@ def test_a_peer_that_fails_before_a_collective_ends_the_test_soon(
     assert elapsed < 30
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_a_new_pool_sees_the_controllers_environment_of_now(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, method: str

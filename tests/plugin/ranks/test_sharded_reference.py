@@ -339,7 +339,6 @@ def test_dp_tp_layer(gradref_rank, grad_reference, bug):
 """
 
 
-@pytest.mark.long
 def test_a_dp_by_tp_layer_on_a_2d_mesh_in_four_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_mesh=MESH_2D)
     result = pytester.runpytest(
@@ -381,7 +380,6 @@ def test_a_dp_by_tp_layer_on_a_2d_mesh_in_four_ranks(pytester: pytest.Pytester) 
         ], name
 
 
-@pytest.mark.long
 def test_sharded_gradients_in_two_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_sharded=SHARDED)
     result = pytester.runpytest(

@@ -271,7 +271,6 @@ def test_a_wrapper_subclass_takes_every_route(pytester: pytest.Pytester, verdict
     _check_report(pytester.path / "report.json", verdict)
 
 
-@pytest.mark.long
 @pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="this torch build has no gloo process groups",

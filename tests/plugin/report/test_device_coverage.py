@@ -140,7 +140,6 @@ def test_under_xdist_the_summary_and_report_say_what_ran_where(pytester: pytest.
     ]
 
 
-@pytest.mark.long
 @needs_simulation
 def test_strict_device_fails_a_run_that_lost_coverage(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch

@@ -80,7 +80,6 @@ def split_k_kernel(
     return loss, (xs.grad, ws.grad), (total.to(x.dtype), (total / logits.numel()).to(x.dtype))
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sums_in_another_order_pass_at_any_thread_count(dtype: torch.dtype, threads: int) -> None:
@@ -105,7 +104,6 @@ def test_sums_in_another_order_pass_at_any_thread_count(dtype: torch.dtype, thre
         assert consulted > 0
 
 
-@pytest.mark.long
 def test_a_left_out_vocabulary_slice_of_an_aux_sum_fails() -> None:
     # What the spread must not let through: the same kernel, its sum missing 1/16 of the
     # vocabulary (the error of a masked tail block).
