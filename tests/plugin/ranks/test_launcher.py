@@ -8,6 +8,7 @@ agents that meet over a c10d rendezvous as two nodes would."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -187,6 +188,12 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *args]
 
 
+def _in_the_test_folder(path: Path) -> dict[str, str]:
+    """The environment with temporary files in ``path``: torchrun keeps the log folder it
+    makes for each job (torchelastic_*), which would pile up in the system's."""
+    return {**os.environ, "TMPDIR": str(path)}
+
+
 PYTEST = ["-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "--gradref-device=cpu"]
 
 
@@ -198,6 +205,7 @@ def _two_ranks(path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
         done = subprocess.run(
             _torchrun("--standalone", "--nproc-per-node=2", *PYTEST, *args),
             cwd=path,
+            env=_in_the_test_folder(path),
             capture_output=True,
             text=True,
             timeout=240,
@@ -316,6 +324,7 @@ def test_two_torchrun_agents_meet_as_two_nodes(pytester: pytest.Pytester) -> Non
                 *PYTEST,
             ),
             cwd=pytester.path,
+            env=_in_the_test_folder(pytester.path),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
