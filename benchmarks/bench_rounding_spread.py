@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any, Callable
 
 import torch
+from _bench_util import synchronize
 
 from pytest_gradref.config.tolerances import CheckPolicy
 from pytest_gradref.reference.computation import compute_reference
@@ -66,8 +67,10 @@ CASES: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[Any, ...]
 }
 
 
-def _spread_of(fn: Callable[..., torch.Tensor], args: tuple[Any, ...], rounded: bool) -> Any:
-    policy = CheckPolicy(backend="cpu", default_golden=torch.float64, default_budget=2)
+def _spread_of(
+    fn: Callable[..., torch.Tensor], args: tuple[Any, ...], rounded: bool, device: torch.device
+) -> Any:
+    policy = CheckPolicy(backend=device.type, default_golden=torch.float64, default_budget=2)
     reference = compute_reference(
         fn,
         args,
@@ -93,10 +96,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=48, help="seeds per case (default 48)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--device", default="cpu", help="where the runs compute (default cpu)")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
+    device = torch.device(options.device)
     print(
-        f"# {options.runs} randomly rounded runs a case, torch {torch.__version__}, "
+        f"# {options.runs} randomly rounded runs a case on {device}, torch {torch.__version__}, "
         f"{options.threads} thread(s); errors against the float64 golden, mean +- sd over runs"
     )
     print(
@@ -105,7 +110,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for name, (fn, inputs, rounded) in CASES.items():
-        golden, spread = _spread_of(fn, inputs(), rounded)
+        args = tuple(t.to(device) for t in inputs())
+        golden, spread = _spread_of(fn, args, rounded, device)
         errors: dict[str, list[float]] = {
             "value": [],
             "g0max": [],
@@ -114,6 +120,7 @@ def main() -> None:
             "g1norm": [],
         }
         spread.strategy(replace(spread.problem, mode=partial(RandomRounding, -1)))  # warm-up
+        synchronize(device)
         start = time.perf_counter()
         for seed in range(options.runs):
             mode = partial(RandomRounding, seed, spread.rounded_to)
@@ -123,6 +130,7 @@ def main() -> None:
                 error = run.arg_grads[index].double() - golden.arg_grads[index].double()
                 errors[f"g{index}max"].append(float(error.abs().max()))
                 errors[f"g{index}norm"].append(float(error.norm()))
+        synchronize(device)
         milliseconds = (time.perf_counter() - start) / options.runs * 1e3
         value_rms = statistics.fmean(e * e for e in errors["value"]) ** 0.5
         cells = [_summary(errors[key]) for key in ("g0max", "g0norm", "g1max", "g1norm")]
