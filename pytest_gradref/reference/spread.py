@@ -308,7 +308,7 @@ class RandomRounding(ResultMode):
             except (RuntimeError, TypeError, NotImplementedError):
                 pass  # rounded again as it is
         # The error of the accumulation's rounding, for an operation that sums terms.
-        accumulated = torch.zeros((), dtype=work, device=value.device)
+        accumulated: torch.Tensor | None = None
         if position == 0 and (packet in _SUMS or packet is _aten.nll_loss_forward):
             terms = self._terms(func, args, kwargs)
             if terms is not None:
@@ -317,9 +317,14 @@ class RandomRounding(ResultMode):
                 accumulated = self._uniform(value).mul_(magnitudes).mul_(unit)
         if not half:  # one more rounding's error, then (once, with the accumulation's) nearest
             unit = torch.finfo(target).eps / 2
-            error = torch.addcmul(accumulated, self._uniform(value), value.abs(), value=unit)
-            return (value + error).to(target).to(result.dtype)
-        value = value + accumulated
+            if accumulated is None:
+                noisy = torch.addcmul(value, self._uniform(value), value.abs(), value=unit)
+            else:
+                error = torch.addcmul(accumulated, self._uniform(value), value.abs(), value=unit)
+                noisy = value + error
+            return noisy.to(target).to(result.dtype)
+        if accumulated is not None:
+            value = value + accumulated
         # Stochastic rounding: dithered by up to half a step of the target dtype at each
         # element's magnitude, then rounded to nearest. |x| in [2**k, 2**(k+1)) has a step of
         # 2**(k + 1 - digits); 2**k is x's exponent bits alone (0 for a zero, which is exact
