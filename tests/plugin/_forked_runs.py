@@ -13,9 +13,10 @@ ends as `os._exit` does, after the atexit handlers: non-daemon threads are not j
 modules are not torn down, so a run that would hang or fail only in the interpreter's exit
 needs pytester.runpytest_subprocess. So does a test that checks what a fresh interpreter has
 or has not imported (the plugin's torch-free start, the order of imports around the
-simulated npu): here torch is imported before the run. pytest, its plugins and this package
-are not, so pytest's assertion rewriting and entry-point loading see them as in a new
-interpreter. The zygote freezes what it imported out of the garbage collector's reach, which
+simulated npu): here torch is imported before the run. So are pytest and its default plugins,
+which a run imports before its assertion rewriting starts; the plugins of other distributions
+and this package are not, so pytest's assertion rewriting and entry-point loading see them as
+in a new interpreter. The zygote freezes what it imported out of the garbage collector's reach, which
 halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
