@@ -36,8 +36,9 @@ from execnet import gateway_io
 
 # pytest and its default plugins: a run imports them before it installs its assertion
 # rewriting, which leaves pytest's own modules alone, so here they are what they would be in
-# a new interpreter (about 55 ms of CPU a run). Plugins of other distributions and this
-# package are left to the run, whose rewriting and entry-point loading import them.
+# a new interpreter (the CPU this saves a run: benchmarks/results/cpu/readme_commands.txt).
+# Plugins of other distributions and this package are left to the run, whose rewriting and
+# entry-point loading import them.
 for _name in default_plugins:
     importlib.import_module(f"_pytest.{_name}")
 
