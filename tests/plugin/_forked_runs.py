@@ -16,8 +16,8 @@ or has not imported (the plugin's torch-free start, the order of imports around 
 simulated npu): here torch is imported before the run. So are pytest and its default plugins,
 which a run imports before its assertion rewriting starts; the plugins of other distributions
 and this package are not, so pytest's assertion rewriting and entry-point loading see them as
-in a new interpreter. The zygote freezes what it imported out of the garbage collector's reach, which
-halves the collections pytest runs at its end.
+in a new interpreter. The zygote freezes what it imported out of the garbage collector's
+reach, which halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
 those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture).
