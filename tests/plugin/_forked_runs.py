@@ -14,9 +14,10 @@ modules are not torn down, so a run that would hang or fail only in the interpre
 needs pytester.runpytest_subprocess. So does a test that checks what a fresh interpreter has
 or has not imported (the plugin's torch-free start, the order of imports around the
 simulated npu): here torch is imported before the run. So are pytest and its default plugins,
-which a run imports before its assertion rewriting starts; the plugins of other distributions
-and this package are not, so pytest's assertion rewriting and entry-point loading see them as
-in a new interpreter. The zygote freezes what it imported out of the garbage collector's
+which a run imports before its assertion rewriting starts, and the plugins it loads from entry
+points (this package's among them) with hypothesis, imported through an assertion-rewriting
+hook that marks what a run's marks, so that a run finds them as its own rewriting would have
+left them. The zygote freezes what it imported out of the garbage collector's
 reach, which halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are

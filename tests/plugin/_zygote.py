@@ -7,9 +7,9 @@ the process's ``argv`` (what follows the interpreter on a command line, ``-m pyt
 process, answers its pid, waits for it and answers its exit status (negative: the signal that
 ended it). A client that hangs up before has the process's group killed.
 
-The process starts as the interpreter would, with torch, torch._dynamo and pytest's own modules
-already imported, and ends as ``os._exit`` does once the atexit handlers ran (no teardown of
-the modules).
+The process starts as the interpreter would, with torch, torch._dynamo, pytest's own modules and
+the plugins pytest loads (rewritten as a run rewrites them) already imported, and ends as
+``os._exit`` does once the atexit handlers ran (no teardown of the modules).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import runpy
@@ -28,19 +30,49 @@ import traceback
 import types
 
 import _forked_python
-import pytest  # noqa: F401
+import _pytest.assertion
+import pytest
 import torch
 import torch._dynamo  # noqa: F401
-from _pytest.config import default_plugins
+from _pytest.config import default_plugins, get_config
 from execnet import gateway_io
 
 # pytest and its default plugins: a run imports them before it installs its assertion
 # rewriting, which leaves pytest's own modules alone, so here they are what they would be in
 # a new interpreter (the CPU this saves a run: benchmarks/results/cpu/readme_commands.txt).
-# Plugins of other distributions and this package are left to the run, whose rewriting and
-# entry-point loading import them.
 for _name in default_plugins:
     importlib.import_module(f"_pytest.{_name}")
+
+
+def import_plugins_rewritten() -> None:
+    """Import the plugins a run loads from entry points, and hypothesis, which its plugin
+    imports at the end of every run, through an assertion-rewriting hook that marks the names
+    a run's hook marks (pytest's own code), then take the hook out again.
+
+    A run's hook finds them already rewritten by a hook of its kind, as its own import would
+    have left them, and imports nothing again; imported without a hook, they would draw its
+    "Module already imported so cannot be rewritten" warning. Where plugin autoloading is off
+    a run marks nothing, so nothing is imported here."""
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return
+    config = get_config()
+    hook = _pytest.assertion.install_importhook(config)
+    try:
+        if pytest.version_tuple >= (8, 4):  # the argument pytest 8.4 added
+            config._mark_plugins_for_rewrite(hook, False)
+        else:
+            config._mark_plugins_for_rewrite(hook)
+        for distribution in importlib.metadata.distributions():
+            for entry_point in distribution.entry_points:
+                if entry_point.group == "pytest11":
+                    importlib.import_module(entry_point.value.partition(":")[0].strip())
+        if importlib.util.find_spec("hypothesis") is not None:
+            importlib.import_module("hypothesis")
+    finally:
+        sys.meta_path.remove(hook)
+
+
+import_plugins_rewritten()
 
 # sys.path[0] is this script's folder: a new interpreter would have the command's own there.
 BASE_PATH = [

@@ -52,6 +52,36 @@ def test_outcomes_output_and_exit_status_match_a_subprocess_run(
     assert forked.parseoutcomes() == real.parseoutcomes()
 
 
+REWRITTEN_MODULES = """
+import sys
+
+from _pytest.assertion.rewrite import AssertionRewritingHook
+
+
+def test_reports_its_modules():
+    for name, module in sorted(sys.modules.items()):
+        loader = getattr(module, "__loader__", None)
+        print("MODULE", name, isinstance(loader, AssertionRewritingHook))
+"""
+
+
+def _rewritten_by_module(result: pytest.RunResult) -> dict[str, bool]:
+    fields = (line.split() for line in result.outlines if line.startswith("MODULE "))
+    return {name: rewritten == "True" for _, name, rewritten in fields}
+
+
+def test_modules_are_rewritten_as_in_a_subprocess_run(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_modules=REWRITTEN_MODULES)
+    forked = _rewritten_by_module(runpytest_forked(pytester, "-p", "no:randomly", "-s"))
+    real = _rewritten_by_module(pytester.runpytest_subprocess("-p", "no:randomly", "-s"))
+    # The plugins' modules are among them: the comparison below sees the zygote's imports.
+    assert real["xdist.plugin"] and forked["xdist.plugin"]
+    # Every module both runs imported (the forked run imported more, before it started) was
+    # rewritten in one exactly where it was in the other.
+    differing = {name for name in forked.keys() & real.keys() if forked[name] != real[name]}
+    assert not differing, f"rewritten in one run only: {sorted(differing)}"
+
+
 def test_a_run_killed_by_a_signal_says_so(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         "import os, signal\n\n\ndef test_dies():\n    os.kill(os.getpid(), signal.SIGKILL)\n"
