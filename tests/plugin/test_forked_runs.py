@@ -75,7 +75,8 @@ def test_modules_are_rewritten_as_in_a_subprocess_run(pytester: pytest.Pytester)
     forked = _rewritten_by_module(runpytest_forked(pytester, "-p", "no:randomly", "-s"))
     real = _rewritten_by_module(pytester.runpytest_subprocess("-p", "no:randomly", "-s"))
     # The plugins' modules are among them: the comparison below sees the zygote's imports.
-    assert real["xdist.plugin"] and forked["xdist.plugin"]
+    assert real["xdist.plugin"]
+    assert forked["xdist.plugin"]
     # Every module both runs imported (the forked run imported more, before it started) was
     # rewritten in one exactly where it was in the other.
     differing = {name for name in forked.keys() & real.keys() if forked[name] != real[name]}
