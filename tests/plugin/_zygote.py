@@ -52,16 +52,16 @@ def import_plugins_rewritten() -> None:
     A run's hook finds them already rewritten by a hook of its kind, as its own import would
     have left them, and imports nothing again; imported without a hook, they would draw its
     "Module already imported so cannot be rewritten" warning. Where plugin autoloading is off
-    a run marks nothing, so nothing is imported here."""
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+    a run marks nothing, so nothing is imported here; nor before pytest 9.1, whose hook cannot
+    be built before a run has read its ini file (the runs import them themselves). The hook
+    reads the ini's defaults: a run whose ini enables assertion pass hooks would get the
+    plugins without them."""
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") or pytest.version_tuple < (9, 1):
         return
     config = get_config()
     hook = _pytest.assertion.install_importhook(config)
     try:
-        if pytest.version_tuple >= (8, 4):  # the argument pytest 8.4 added
-            config._mark_plugins_for_rewrite(hook, False)
-        else:
-            config._mark_plugins_for_rewrite(hook)
+        config._mark_plugins_for_rewrite(hook, False)
         for distribution in importlib.metadata.distributions():
             for entry_point in distribution.entry_points:
                 if entry_point.group == "pytest11":
