@@ -17,8 +17,8 @@ simulated npu): here torch is imported before the run. So are pytest and its def
 which a run imports before its assertion rewriting starts, and the plugins it loads from entry
 points (this package's among them) with hypothesis, imported through an assertion-rewriting
 hook that marks what a run's marks, so that a run finds them as its own rewriting would have
-left them. The zygote freezes what it imported out of the garbage collector's
-reach, which halves the collections pytest runs at its end.
+left them (on pytest 9.1 or later). The zygote freezes what it imported out of the garbage
+collector's reach, which halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
 those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture).

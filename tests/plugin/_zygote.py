@@ -62,10 +62,8 @@ def import_plugins_rewritten() -> None:
     hook = _pytest.assertion.install_importhook(config)
     try:
         config._mark_plugins_for_rewrite(hook, False)
-        for distribution in importlib.metadata.distributions():
-            for entry_point in distribution.entry_points:
-                if entry_point.group == "pytest11":
-                    importlib.import_module(entry_point.value.partition(":")[0].strip())
+        for entry_point in importlib.metadata.entry_points(group="pytest11"):
+            importlib.import_module(entry_point.module)
         if importlib.util.find_spec("hypothesis") is not None:
             importlib.import_module("hypothesis")
     finally:
