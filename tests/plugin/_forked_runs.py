@@ -21,7 +21,8 @@ left them (on pytest 9.1 or later). The zygote freezes what it imported out of t
 collector's reach, which halves the collections pytest runs at its end.
 
 The runs' pytest-xdist workers are forked from the zygote too (_forked_python.py), and so are
-those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture).
+those of in-process runs (the conftest's ``_forked_xdist_workers`` fixture), and the fork
+server from which the plugin forks the ranks of a forked run or of such a worker.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The zygote of _forked_runs.py: imports torch once, then forks a process for each request.
 
 Run as ``python _zygote.py SOCKET``. A request is a connection to the Unix socket SOCKET that
-sends three file descriptors (the new process's stdin, stdout and stderr) with one JSON line:
-the process's ``argv`` (what follows the interpreter on a command line, ``-m pytest ...`` or
-``-u -c CODE``), ``cwd`` and ``env``. For each, the zygote forks a waiter, which forks the
-process, answers its pid, waits for it and answers its exit status (negative: the signal that
-ended it). A client that hangs up before has the process's group killed.
+sends file descriptors (the new process's stdin, stdout and stderr, then any others it keeps)
+with one JSON line: the process's ``argv`` (what follows the interpreter on a command line,
+``-m pytest ...`` or ``-u -c CODE``), ``cwd``, ``env``, ``fds`` (the number each descriptor
+takes in the process) and ``process_group`` (null: a group of its own). For each, the zygote
+forks a waiter, which forks the process, answers its pid, waits for it and answers its exit
+status (negative: the signal that ended it). A client that hangs up before has the process
+killed, with its group where it leads one.
 
 The process starts as the interpreter would, with torch, torch._dynamo, pytest's own modules and
 the plugins pytest loads (rewritten as a run rewrites them) already imported, and ends as
@@ -15,11 +17,13 @@ the plugins pytest loads (rewritten as a run rewrites them) already imported, an
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import importlib
 import importlib.metadata
 import importlib.util
 import json
+import multiprocessing.util
 import os
 import runpy
 import select
@@ -28,6 +32,7 @@ import socket
 import sys
 import traceback
 import types
+from typing import Any
 
 import _forked_python
 import _pytest.assertion
@@ -84,6 +89,9 @@ def main(socket_path: str) -> None:
     gateway_io.popen_args = _forked_python.forked_popen_args(
         gateway_io.popen_args, lambda: socket_path
     )
+    multiprocessing.util.spawnv_passfds = _forked_python.forked_spawnv_passfds(
+        multiprocessing.util.spawnv_passfds, lambda: socket_path
+    )
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
@@ -127,11 +135,14 @@ def _wait_on(connection: socket.socket) -> None:
         if wakeup in readable:
             os.read(wakeup, 512)
         if connection in readable and not connection.recv(1):
-            os.killpg(pid, signal.SIGKILL)
+            if request["process_group"] is None:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
-def _receive(connection: socket.socket) -> tuple[dict[str, object], list[int]]:
-    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 16)
     while not data.endswith(b"\n"):
         more = connection.recv(1 << 16)
         if not more:
@@ -140,10 +151,14 @@ def _receive(connection: socket.socket) -> tuple[dict[str, object], list[int]]:
     return json.loads(data), fds
 
 
-def _run(request: dict[str, object], fds: list[int]) -> None:
+def _run(request: dict[str, Any], fds: list[int]) -> None:
     """The process: as the interpreter would run the request's argv."""
-    os.setpgid(0, 0)
-    for target, fd in enumerate(fds):
+    os.setpgid(0, request["process_group"] or 0)
+    targets = request["fds"]
+    # Out of the targets' way first: a descriptor received under one target's number would be
+    # overwritten by the move to that target.
+    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
+    for fd, target in zip(fds, targets):
         os.dup2(fd, target)
         os.close(fd)
     cwd, env, argv = str(request["cwd"]), dict(request["env"]), list(request["argv"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import multiprocessing.forkserver  # noqa: F401  (see the note below)
 import socket
 from collections.abc import Callable
 
@@ -29,6 +30,12 @@ from pytest_gradref.config.settings import OPTIONS
 # The same holds for the hundreds of modules the first grad_and_value call loads, some of which
 # register operator libraries that refuse a second registration: load them once, here too.
 torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
+
+# multiprocessing.forkserver, imported above, holds the fork server that the plugin's ranks
+# fork from; the first pool imports it. Dropped with an in-process run's modules, it left that
+# run's server running and had every later run start one of its own (an interpreter importing
+# torch). Imported once, for the whole session, the runs of this process share one server, as
+# the pools of one session do.
 
 # Hypothesis's pytest plugin imports hypothesis at the end of every run that loads it; where
 # this process has not, each in-process run imported its 75 modules again (and dropped them).

@@ -1,5 +1,6 @@
 """The forked pytester runs (_forked_runs.py) give what pytester's subprocess runs give, and
-the xdist workers of in-process runs start as forks of the zygote (_forked_python.py)."""
+the xdist workers of in-process runs, and the fork servers of forked runs, start as forks of
+the zygote (_forked_python.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import _forked_python
 import pytest
-from _forked_python import forked_popen_args
+from _forked_python import forked_popen_args, forked_spawnv_passfds
 from _forked_runs import runpytest_forked
 
 OUTCOMES = """
@@ -132,3 +133,70 @@ def test_a_worker_interpreter_named_in_tx_is_left_alone() -> None:
     forked = patched(execnet.XSpec("popen"))
     assert forked[:5] == [sys.executable, "-I", "-S", _forked_python.SCRIPT, "/nowhere/socket"]
     assert forked[5:] == gateway_io.popen_args(execnet.XSpec("popen"))[1:]
+
+
+FORK_SERVER = """
+import multiprocessing
+import os
+
+
+def report_the_parent(path):
+    with open(path, "w") as handle:
+        handle.write(str(os.getppid()))
+
+
+def test_forks_a_process_from_the_fork_server():
+    context = multiprocessing.get_context("forkserver")
+    process = context.Process(target=report_the_parent, args=("server.pid",))
+    process.start()
+    process.join()
+    assert process.exitcode == 0
+    with open("server.pid") as handle:
+        server = int(handle.read())
+    with open(f"/proc/{server}/stat") as handle:
+        parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+    print("\\nRUN", os.getpid(), os.getpgid(0), "SERVER", parent, os.getpgid(server))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_the_fork_server_of_a_forked_run_is_a_fork_of_the_zygote(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_fork_server=FORK_SERVER)
+    result = runpytest_forked(pytester, "-p", "no:randomly", "-s")
+    result.assert_outcomes(passed=1)
+    line = next(line for line in result.outlines if line.startswith("RUN "))
+    _, run, run_group, _, server_parent, server_group = line.split()
+    # One the run started itself would be its child; this one is the zygote's, in the run's
+    # process group all the same, so that what ends the run's group ends it too.
+    assert server_parent != run
+    assert server_group == run_group
+
+
+def test_only_the_fork_server_is_started_as_a_fork() -> None:
+    started: list[list[str]] = []
+
+    def spawnv_passfds(path: str, args: list[str], passfds: tuple[int, ...]) -> int:
+        started.append(args)
+        return 0
+
+    patched = forked_spawnv_passfds(spawnv_passfds, lambda: "/nowhere/socket")
+    server = "from multiprocessing.forkserver import main; main(7, 5, ['torch'], **{})"
+    patched(sys.executable, [sys.executable, "-B", "-c", server], (7, 5))
+    spawned = [sys.executable, "-c", "from multiprocessing.spawn import spawn_main"]
+    patched(sys.executable, spawned, (9,))
+    assert started == [
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            _forked_python.SCRIPT,
+            "--keep-fds=5,7",
+            "/nowhere/socket",
+            "-B",
+            "-c",
+            server,
+        ],
+        spawned,
+    ]
