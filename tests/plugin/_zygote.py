@@ -157,8 +157,10 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
     targets = request["fds"]
     # Out of the targets' way first: a descriptor received under one target's number would be
     # overwritten by the move to that target.
-    fds = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
-    for fd, target in zip(fds, targets):
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(moved, targets):
         os.dup2(fd, target)
         os.close(fd)
     cwd, env, argv = str(request["cwd"]), dict(request["env"]), list(request["argv"])

@@ -33,6 +33,11 @@ def test_sees_the_generated_module():
     import helper_module
 
     assert helper_module.VALUE == 3
+
+
+def test_lists_its_open_descriptors():
+    if os.path.isdir("/proc/self/fd"):
+        print("\\nDESCRIPTORS", *sorted(map(int, os.listdir("/proc/self/fd"))))
 """
 
 
@@ -44,13 +49,21 @@ def test_outcomes_output_and_exit_status_match_a_subprocess_run(
     forked = runpytest_forked(pytester, "-p", "no:randomly", "-s")
     real = pytester.runpytest_subprocess("-p", "no:randomly", "-s")
     for result in (forked, real):
-        result.assert_outcomes(passed=2, failed=1)
+        result.assert_outcomes(passed=3, failed=1)
         assert result.ret == pytest.ExitCode.TESTS_FAILED
         result.stdout.fnmatch_lines(["*AssertionError: planted*"])
         result.stderr.fnmatch_lines(["to stderr"])
     # The same summary, warnings included: a module the zygote had imported that a run's
     # assertion rewriting wants (a plugin's) would be a warning only the forked run shows.
     assert forked.parseoutcomes() == real.parseoutcomes()
+    # The same descriptors open: what the zygote passed is where the run expects it, and
+    # nothing of the zygote's or of the handover is left open besides.
+    descriptors = [
+        [line for line in result.outlines if line.startswith("DESCRIPTORS")]
+        for result in (forked, real)
+    ]
+    assert descriptors[0] == descriptors[1]
+    assert descriptors[1] or not os.path.isdir("/proc/self/fd")
 
 
 REWRITTEN_MODULES = """
