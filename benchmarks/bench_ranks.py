@@ -3,6 +3,7 @@ plain test.
 
     python benchmarks/bench_ranks.py                  # 2 ranks on the CPU (gloo), 30 tests each
     python benchmarks/bench_ranks.py --ranks 4 --tests 50
+    python benchmarks/bench_ranks.py --body torch-func  # each multi-rank test calls torch.func
     python benchmarks/bench_ranks.py --mixed       # world sizes 2 and 3, interleaved and grouped
 
 Generates, in a temporary directory, ``--tests`` empty tests marked
@@ -13,6 +14,9 @@ pool is ended, and one after it starts a new pool. Printed: the first multi-rank
 starts the rank pool: the fork server, or spawned ranks, importing torch, then joining the
 process group), the median, least and greatest of the others (a warm pool), the test after the
 failure (a new pool, forked from the running fork server) and the plain tests' median.
+``--body torch-func`` gives each multi-rank test a ``torch.func.grad_and_value`` call, as the
+grad_and_value reference makes (its first call in a process imports torch._dynamo); the
+default body is empty.
 
 ``--mixed``: ``--tests`` tests of 2 ranks and as many of 3, run once in file order interleaved
 (2, 3, 2, 3, ...) and once grouped (all of 2, then all of 3), two pytest runs of one
@@ -36,12 +40,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 TESTS = """
 import pytest
+import torch
 
 
 @pytest.mark.parametrize("i", range({tests}))
 @pytest.mark.gradref_ranks({ranks})
 def test_ranked(i, gradref_rank):
-    assert gradref_rank.world_size == {ranks}
+    assert gradref_rank.world_size == {ranks}{body}
 
 
 @pytest.mark.gradref_ranks({ranks})
@@ -51,7 +56,7 @@ def test_ranked_fails(gradref_rank):
 
 @pytest.mark.gradref_ranks({ranks})
 def test_ranked_after_a_failure(gradref_rank):
-    assert gradref_rank.world_size == {ranks}
+    assert gradref_rank.world_size == {ranks}{body}
 
 
 @pytest.mark.parametrize("i", range({tests}))
@@ -59,6 +64,13 @@ def test_plain(i, gradref_device):
     assert gradref_device.type == "cpu"
 """
 
+
+BODIES = {
+    "empty": "",
+    "torch-func": """
+    grad, value = torch.func.grad_and_value(lambda x: (x * x).sum())(torch.ones(3))
+    assert value.item() == 3.0 and grad.tolist() == [2.0, 2.0, 2.0]""",
+}
 
 MIXED = """
 import pytest
@@ -114,6 +126,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks per test (default 2)")
     parser.add_argument("--tests", type=int, default=30, help="tests of each kind (default 30)")
     parser.add_argument(
+        "--body",
+        choices=sorted(BODIES),
+        default="empty",
+        help="the multi-rank tests' body: empty (default) or a torch.func.grad_and_value call",
+    )
+    parser.add_argument(
         "--mixed", action="store_true", help="world sizes 2 and 3, interleaved against grouped"
     )
     args = parser.parse_args()
@@ -123,14 +141,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder)
         (directory / "test_ranks_cost.py").write_text(
-            TESTS.format(ranks=args.ranks, tests=args.tests)
+            TESTS.format(ranks=args.ranks, tests=args.tests, body=BODIES[args.body])
         )
         junit = directory / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly"]
         command += ["-p", "no:cacheprovider", "--gradref-device=cpu", f"--junitxml={junit}"]
         ran = subprocess.run([*command, "test_ranks_cost.py"], cwd=directory)
-        if ran.returncode != 1:  # the one planted failure, and nothing else
-            sys.exit(f"pytest exited {ran.returncode}, expected 1 (one planted failure)")
+        cases = list(ET.parse(junit).getroot().iter("testcase"))
+        failed = [c.attrib["name"] for c in cases if c.find("failure") is not None]
+        # A test that failed by accident would end the pool too, and its time mean nothing.
+        if ran.returncode != 1 or failed != ["test_ranked_fails"]:
+            sys.exit(
+                f"pytest exited {ran.returncode} with {failed} failed; expected 1, with only "
+                "the planted failure test_ranked_fails"
+            )
         times: dict[str, list[float]] = {
             "test_ranked": [],
             "test_ranked_fails": [],
@@ -138,12 +162,12 @@ def main() -> None:
             "test_plain": [],
         }
         # In file order: the ranked tests first, the first of them starting the pool.
-        for case in ET.parse(junit).getroot().iter("testcase"):
+        for case in cases:
             times[case.attrib["name"].split("[")[0]].append(float(case.attrib["time"]))
     first, *warm = times["test_ranked"]
     print(f"# pytest-gradref rank cost, commit {git_commit(REPO)}")
     print(
-        f"gradref_ranks({args.ranks}) on the CPU (gloo), {args.tests} tests, "
+        f"gradref_ranks({args.ranks}) on the CPU (gloo), {args.tests} tests ({args.body} body), "
         "setup + call + teardown:"
     )
     print(f"  first (starts the pool): {first * 1e3:.0f} ms")

@@ -3,14 +3,14 @@ the xdist worker, that runs the test.
 
 ``RankPool`` starts N ranks with ``torch.multiprocessing.start_processes``, never by forking
 the controller (a rank on an accelerator cannot be forked from a process that has used it):
-from multiprocessing's fork server, which imports torch once and forks each rank from there,
-or spawned where the platform has no fork server. It hosts the ranks' rendezvous, a
-TCPStore on a port the OS picks, so tests that run side by side never race for one. The pool
-is kept while tests pass: a test on live ranks costs little more than its body, a new pool a
-fork per rank (a torch import each where they are spawned). It is ended after any test that
-did not pass, and a rank that is still running then (hung, or waiting for a rank that
-failed) is asked for its Python stack (``STACK_SIGNAL``, written by faulthandler) before it is
-killed.
+from multiprocessing's fork server, which imports torch (and torch._dynamo) once and forks
+each rank from there, or spawned where the platform has no fork server. It hosts the ranks'
+rendezvous, a TCPStore on a port the OS picks, so tests that run side by side never race for
+one. The pool is kept while tests pass: a test on live ranks costs little more than its body,
+a new pool a fork per rank (a torch import each where they are spawned). It is ended after any
+test that did not pass, and a rank that is still running then (hung, or waiting for a rank
+that failed) is asked for its Python stack (``STACK_SIGNAL``, written by faulthandler) before
+it is killed.
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ STACK_WAIT_S = 2.0
 # How long ranks told to stop (at the end of the session) have before they are killed.
 STOP_WAIT_S = 10.0
 # What the fork server imports before it forks the first rank: what every rank imports first.
-# torch's import initialises no accelerator, so forked ranks may still use theirs.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "pytest_gradref.ranks.worker"]
+# torch._dynamo (a second or so of imports) comes with a rank's first custom operator, torch.func
+# transform or compiled call, which kernel tests and the grad_and_value reference make; in the
+# server it is imported once, not once per rank. These imports initialise no accelerator, so
+# forked ranks may still use theirs.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "pytest_gradref.ranks.worker"]
 # The least time new ranks have to join their group (a torch import each, side by side on
 # shared cores: seconds), whatever a test's own timeout: that bounds its body alone.
 START_TIMEOUT_S = 120.0

@@ -551,6 +551,34 @@ def test_second_pool(gradref_rank):
     result.assert_outcomes(passed=3)
 
 
+def test_forked_ranks_begin_with_dynamo_imported(pytester: pytest.Pytester) -> None:
+    # A rank's first custom operator, torch.func transform or compiled call imports
+    # torch._dynamo (a second or so): the fork server imports it once, so the ranks forked
+    # from it, the first pool's and a new pool's after a failure, begin with it.
+    pytester.makepyfile(
+        test_imports="""
+import sys
+
+import pytest
+
+@pytest.mark.gradref_ranks(2)
+def test_first_pool(gradref_rank):
+    assert "torch._dynamo" in sys.modules
+
+@pytest.mark.gradref_ranks(2)
+def test_rank_1_fails(gradref_rank):
+    assert gradref_rank.rank == 0
+
+@pytest.mark.gradref_ranks(2)
+def test_a_new_pool(gradref_rank):
+    assert "torch._dynamo" in sys.modules
+"""
+    )
+    result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_imports.py::test_rank_1_fails - *"])
+
+
 def test_ranks_end_when_their_controller_is_killed(pytester: pytest.Pytester) -> None:
     # The controller dies without telling its ranks (SIGKILL): they leave within seconds, on
     # their own, whether their parent is the controller or the fork server.
