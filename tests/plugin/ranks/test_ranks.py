@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -588,6 +590,40 @@ def test_a_new_pool(gradref_rank):
     result = pytester.runpytest("-p", "no:randomly", "--gradref-device=cpu")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_imports.py::test_rank_1_fails - *"])
+
+
+# The fork server's imports, then whether CUDA is initialised and which NVIDIA device files are
+# open (the driver opens them when it initialises).
+FORKSERVER_IMPORTS_PROBE = """
+import contextlib
+import importlib
+import os
+
+import torch
+
+from pytest_gradref.ranks.processes import FORKSERVER_PRELOAD
+
+for name in FORKSERVER_PRELOAD:
+    importlib.import_module(name)
+opened = []
+for fd in os.listdir("/proc/self/fd"):
+    with contextlib.suppress(OSError):  # the listing's own descriptor is closed by now
+        opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+print(torch.cuda.is_initialized(), [path for path in opened if "nvidia" in path])
+"""
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (no accelerator to initialise without it)"
+)
+def test_the_fork_servers_imports_initialise_no_accelerator() -> None:
+    # A rank forked from a process that initialised CUDA cannot use it. A new interpreter:
+    # this one may have initialised it already.
+    done = subprocess.run(
+        [sys.executable, "-c", FORKSERVER_IMPORTS_PROBE], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False []"
 
 
 def test_ranks_end_when_their_controller_is_killed(pytester: pytest.Pytester) -> None:
