@@ -613,9 +613,7 @@ print(torch.cuda.is_initialized(), [path for path in opened if "nvidia" in path]
 """
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA (no accelerator to initialise without it)"
-)
+@pytest.mark.gradref_only("cuda", reason="ranks forked for CUDA devices need it uninitialised")
 def test_the_fork_servers_imports_initialise_no_accelerator() -> None:
     # A rank forked from a process that initialised CUDA cannot use it. A new interpreter:
     # this one may have initialised it already.
