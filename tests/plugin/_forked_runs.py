@@ -44,6 +44,10 @@ import pytest
 from _pytest.pathlib import make_numbered_dir
 
 ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
+# The zygote starts in this environment, the test process's before any test changed it: one
+# started in a test that had set PYTHONPATH or a thread count would import with them, and
+# every process forked from it would inherit what it imported.
+ZYGOTE_ENVIRONMENT = dict(os.environ)
 
 
 class _Zygote:
@@ -60,6 +64,7 @@ class _Zygote:
             self._socket = os.path.join(folder, "socket")
             self._process = subprocess.Popen(
                 [sys.executable, str(ZYGOTE_SCRIPT), self._socket],
+                env=ZYGOTE_ENVIRONMENT,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 text=True,

@@ -141,6 +141,17 @@ def _wait_on(connection: socket.socket) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _freeze_the_startup_path() -> None:
+    """pytest-xdist keeps the sys.path of its import as the interpreter's startup path and
+    gives it to its local workers as theirs: imported here, that is the zygote's (this
+    script's folder first, then the PYTHONPATH of the test that started it). A new
+    interpreter would have imported it on the path the process has now."""
+    xdist_plugin = sys.modules.get("xdist.plugin")
+    startup_path = getattr(xdist_plugin, "_sys_path", None)
+    if isinstance(startup_path, list):  # the list xdist.workermanage imported too
+        startup_path[:] = sys.path
+
+
 def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
     data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 16)
     while not data.endswith(b"\n"):
@@ -172,11 +183,13 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
     try:
         if argv[:2] == ["-m", "pytest"]:
             sys.path[:] = [cwd, *extra, *BASE_PATH]
+            _freeze_the_startup_path()
             sys.argv = ["-m", *argv[2:]]
             runpy.run_module("pytest", run_name="__main__", alter_sys=True)
         else:
             source = argv[argv.index("-c") + 1]
             sys.path[:] = ["", *extra, *BASE_PATH]
+            _freeze_the_startup_path()
             sys.argv = ["-c", *argv[argv.index("-c") + 2 :]]
             if "-u" in argv:
                 sys.stdout.reconfigure(write_through=True)

@@ -9,6 +9,7 @@ import signal
 import sys
 
 import _forked_python
+import _forked_runs
 import pytest
 from _forked_python import forked_popen_args, forked_spawnv_passfds
 from _forked_runs import runpytest_forked
@@ -134,6 +135,53 @@ def test_record_the_parent(i, worker_id):
     parents = {int(path.read_text()) for path in pytester.path.glob("parent-*")}
     assert parents
     assert os.getpid() not in parents
+
+
+def test_xdist_workers_of_a_forked_run_start_on_its_path(pytester: pytest.Pytester) -> None:
+    # xdist gives its local workers the sys.path it saw when imported: in a run forked from
+    # the zygote that was the zygote's (its script's folder first), not the run's.
+    pytester.makepyfile(
+        """
+import os
+import sys
+
+
+def test_record_the_path(worker_id):
+    with open(f"path-{worker_id}", "w") as handle:
+        handle.write(os.pathsep.join(sys.path))
+"""
+    )
+    runpytest_forked(pytester, "-n", "2", "-p", "no:randomly").assert_outcomes(passed=1)
+    (recorded,) = pytester.path.glob("path-gw*")
+    path = recorded.read_text().split(os.pathsep)
+    assert path[0] == str(pytester.path)  # as `python -m pytest` in the run's folder starts
+    assert str(_forked_runs.ZYGOTE_SCRIPT.parent) not in path
+
+
+def test_the_zygote_starts_in_the_environment_of_before_the_tests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[dict[str, str]] = []
+
+    class Started:
+        def __init__(self, args: list[str], env: dict[str, str], **options: object) -> None:
+            started.append(env)
+            self.stdout = self
+
+        def readline(self) -> str:
+            return "ready\n"
+
+        def poll(self) -> None:
+            return None
+
+        def kill(self) -> None:
+            pass
+
+    monkeypatch.setattr(_forked_runs.subprocess, "Popen", Started)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # read once, when torch loads
+    _forked_runs._Zygote().socket_path()
+    assert started == [_forked_runs.ZYGOTE_ENVIRONMENT]
+    assert started[0].get("OMP_NUM_THREADS") != "7"
 
 
 def test_a_worker_interpreter_named_in_tx_is_left_alone() -> None:
