@@ -1,5 +1,5 @@
 """The repository's own checks: its layout, docs and their checks, CI's stage budgets, the
-declared version bounds, the README's main job.
+declared version bounds, the README's main job, the worker count of ``-n auto``.
 
 The main job's check collects the kernel suite in processes forked from a process that
 imported torch once: the plugin tests' helper (tests/plugin/_forked_runs.py), found here
