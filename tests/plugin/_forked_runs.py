@@ -13,7 +13,9 @@ ends as `os._exit` does, after the atexit handlers: non-daemon threads are not j
 modules are not torn down, so a run that would hang or fail only in the interpreter's exit
 needs pytester.runpytest_subprocess. So does a test that checks what a fresh interpreter has
 or has not imported (the plugin's torch-free start, the order of imports around the
-simulated npu): here torch is imported before the run. So are pytest and its default plugins,
+simulated npu): here torch is imported before the run, so the plugin resolves an automatic
+device as the run starts (on a CUDA host, initialising CUDA there), not at the first test
+that needs it. So are pytest and its default plugins,
 which a run imports before its assertion rewriting starts, and the plugins it loads from entry
 points (this package's among them) with hypothesis, imported through an assertion-rewriting
 hook that marks what a run's marks, so that a run finds them as its own rewriting would have

@@ -47,8 +47,12 @@ def test_outcomes_output_and_exit_status_match_a_subprocess_run(
 ) -> None:
     pytester.makepyfile(test_outcomes=OUTCOMES, helper_module="VALUE = 3\n")
     monkeypatch.setenv("FORKED_RUN_SETTING", "from the caller")
-    forked = runpytest_forked(pytester, "-p", "no:randomly", "-s")
-    real = pytester.runpytest_subprocess("-p", "no:randomly", "-s")
+    # The device is named: where torch is imported already, as in a forked run, the plugin
+    # resolves an automatic device as it is configured, which on a CUDA host opens the
+    # driver's descriptors; a new interpreter waits for a test that needs the device.
+    arguments = ("-p", "no:randomly", "-s", "--gradref-device=cpu")
+    forked = runpytest_forked(pytester, *arguments)
+    real = pytester.runpytest_subprocess(*arguments)
     for result in (forked, real):
         result.assert_outcomes(passed=3, failed=1)
         assert result.ret == pytest.ExitCode.TESTS_FAILED
