@@ -144,8 +144,8 @@ def _wait_on(connection: socket.socket) -> None:
 def _freeze_the_startup_path() -> None:
     """pytest-xdist keeps the sys.path of its import as the interpreter's startup path and
     gives it to its local workers as theirs: imported here, that is the zygote's (this
-    script's folder first, then the PYTHONPATH of the test that started it). A new
-    interpreter would have imported it on the path the process has now."""
+    script's folder first, then the zygote's PYTHONPATH), not the run's. A new interpreter
+    would have imported it on the path the process has now."""
     xdist_plugin = sys.modules.get("xdist.plugin")
     startup_path = getattr(xdist_plugin, "_sys_path", None)
     if isinstance(startup_path, list):  # the list xdist.workermanage imported too
