@@ -235,22 +235,37 @@ class RandomRounding(ResultMode):
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _uniform(self, like: torch.Tensor) -> torch.Tensor:
-        """Uniform noise in [-1, 1] shaped and placed as ``like``, from this run's generator
-        on its device, or drawn on the CPU and moved where the device has none."""
-        generator = self._generators.get(like.device)
+        """Uniform noise in (-1, 1) shaped and placed as ``like``, from this run's generator
+        on its device, or drawn on the CPU and moved where the device has none.
+
+        Four numbers come from each 64-bit draw: its 16-bit lanes, less their top bit, are
+        2**15 evenly spaced values, symmetric about 0. A uniform_ draw per number took twice
+        as long on the CPU (benchmarks/results/cpu/rounding_spread.txt), and it was most of a
+        spread's time; a dither of 2**-15 steps sets a half-precision result's chance to
+        round up to within 2**-15 of its distance, far below what 16 runs resolve. A tensor
+        subclass on a device with a generator (a DTensor) draws in its own layout."""
+        generator = self._generator(like.device)
+        if generator.device == like.device and type(like) is not torch.Tensor:
+            return torch.empty_like(like).uniform_(-1, 1, generator=generator)
+        count = like.numel()
+        words = torch.empty((count + 3) // 4, dtype=torch.int64, device=generator.device)
+        lanes = words.random_(generator=generator).view(torch.int16)[:count] & 0x7FFF
+        noise = lanes.to(like.dtype).mul_(2.0**-14).sub_(1.0 - 2.0**-15)
+        return noise.reshape(like.shape).to(like.device)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """This run's generator for ``device``: its own, or the CPU's where it has none."""
+        generator = self._generators.get(device)
         if generator is None:
             try:
-                generator = torch.Generator(device=like.device)
+                generator = torch.Generator(device=device)
             except RuntimeError:
                 generator = self._generators.get(torch.device("cpu")) or torch.Generator()
             if generator.device not in self._generators:
                 generator.manual_seed(self.seed)
                 self._generators[generator.device] = generator
-            self._generators[like.device] = generator
-        if generator.device == like.device:
-            return torch.empty_like(like).uniform_(-1, 1, generator=generator)
-        noise = torch.empty(like.shape, dtype=like.dtype).uniform_(-1, 1, generator=generator)
-        return noise.to(like.device)
+            self._generators[device] = generator
+        return generator
 
     def _terms(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The sum of the terms' magnitudes at each output of an operation that sums terms

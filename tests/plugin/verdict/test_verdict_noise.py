@@ -303,6 +303,26 @@ def test_stochastic_rounding_rounds_up_as_often_as_the_value_is_near_the_step_ab
         assert abs(float(share)) < 4 * 0.5 / math.sqrt(int(band.sum())), (low, float(share))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_the_noise_is_uniform_between_minus_one_and_one(dtype: torch.dtype) -> None:
+    # Four numbers come from each 64-bit draw (spread.py's _uniform): each of the four lanes
+    # is checked, the top one among them, whose top bit the draw leaves 0.
+    noise = RandomRounding(0)._uniform(torch.empty(256, 256, dtype=dtype))
+    assert noise.shape == (256, 256)
+    assert noise.dtype == dtype
+    assert float(noise.min()) > -1
+    assert float(noise.max()) < 1
+    for lane in range(4):
+        part = noise.flatten()[lane::4].double()
+        count = part.numel()
+        # U(-1, 1): mean 0, variance 1/3 (of u**2's variance 4/45), each within 5 standard
+        # errors, and each eighth of the range a binomial share of 1/8.
+        assert abs(float(part.mean())) < 5 * math.sqrt(1 / 3 / count)
+        assert abs(float(part.var()) - 1 / 3) < 5 * math.sqrt(4 / 45 / count)
+        eighths = torch.histc(part, bins=8, min=-1, max=1)
+        assert float((eighths / count - 1 / 8).abs().max()) < 5 * math.sqrt(7 / 64 / count)
+
+
 def masked_loss(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """A loss over the kept rows only (a mask of 0 and 1 in x's dtype, as ignored labels
     give): the gradient of every other row is an exact zero."""
