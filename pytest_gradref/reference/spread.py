@@ -242,10 +242,13 @@ class RandomRounding(ResultMode):
         2**15 evenly spaced values, symmetric about 0. A uniform_ draw per number took twice
         as long on the CPU (benchmarks/results/cpu/rounding_spread.txt), and it was most of a
         spread's time; a dither of 2**-15 steps sets a half-precision result's chance to
-        round up to within 2**-15 of its distance, far below what 16 runs resolve. A tensor
-        subclass on a device with a generator (a DTensor) draws in its own layout."""
+        round up to within 2**-15 of its distance, far below what 16 runs resolve. An
+        accelerator's uniform_ is one kernel against the lanes' five, so it draws there
+        (benchmarks/results/h100/rounding_spread.txt), as does a tensor subclass on a device
+        with a generator (a DTensor), in its own layout."""
         generator = self._generator(like.device)
-        if generator.device == like.device and type(like) is not torch.Tensor:
+        drawn_in_place = like.device.type != "cpu" or type(like) is not torch.Tensor
+        if generator.device == like.device and drawn_in_place:
             return torch.empty_like(like).uniform_(-1, 1, generator=generator)
         count = like.numel()
         words = torch.empty((count + 3) // 4, dtype=torch.int64, device=generator.device)
