@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _forked_runs import runpytest_forked
 
 pytest.importorskip("pytest_randomly")
 pytest.importorskip("hypothesis")
@@ -221,7 +222,8 @@ def test_under_coverage_and_xdist_workers(pytester: pytest.Pytester) -> None:
     # hooks there and writes a report: the combination a CI job with --cov runs.
     pytest.importorskip("pytest_cov")
     pytester.makepyfile(test_covered=COVERED)
-    result = pytester.runpytest_subprocess(
+    result = runpytest_forked(
+        pytester,
         "-p",
         "xdist",
         "-n",
