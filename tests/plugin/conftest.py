@@ -10,13 +10,14 @@ import atexit
 import contextlib
 import gc
 import multiprocessing.forkserver  # noqa: F401  (see the note below)
+import multiprocessing.util
 import socket
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch._dynamo  # see the note below
-from _forked_python import forked_popen_args
+from _forked_python import forked_popen_args, forked_spawnv_passfds
 from _forked_runs import zygote
 
 from pytest_gradref.config.settings import OPTIONS
@@ -35,7 +36,13 @@ torch.func.grad_and_value(lambda x: x.sum())(torch.ones(2))
 # fork from; the first pool imports it. Dropped with an in-process run's modules, it left that
 # run's server running and had every later run start one of its own (an interpreter importing
 # torch). Imported once, for the whole session, the runs of this process share one server, as
-# the pools of one session do.
+# the pools of one session do. That server starts as a fork of the zygote, as the generated
+# runs' servers do: it has imported torch and torch._dynamo already, where a new interpreter
+# would import them (_forked_python.py).
+if hasattr(socket, "send_fds"):
+    multiprocessing.util.spawnv_passfds = forked_spawnv_passfds(
+        multiprocessing.util.spawnv_passfds, zygote.socket_path
+    )
 
 # Hypothesis's pytest plugin imports hypothesis at the end of every run that loads it; where
 # this process has not, each in-process run imported its 75 modules again (and dropped them).
