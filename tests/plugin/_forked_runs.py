@@ -77,6 +77,13 @@ class _Zygote:
                 raise RuntimeError("the zygote that forks test runs did not start; see above")
         return self._socket
 
+    @property
+    def pid(self) -> int:
+        """The zygote's process id, starting it if it has not started."""
+        self.socket_path()
+        assert self._process is not None
+        return self._process.pid
+
 
 zygote = _Zygote()
 

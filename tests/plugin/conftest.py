@@ -9,7 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import multiprocessing.forkserver  # noqa: F401  (see the note below)
+import multiprocessing.forkserver  # held for the whole session: see the note below
 import multiprocessing.util
 import socket
 from collections.abc import Callable

@@ -4,6 +4,7 @@ the zygote (_forked_python.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -13,6 +14,8 @@ import _forked_runs
 import pytest
 from _forked_python import forked_popen_args, forked_spawnv_passfds
 from _forked_runs import runpytest_forked
+
+from pytest_gradref.ranks import processes
 
 OUTCOMES = """
 import os
@@ -237,6 +240,22 @@ def test_the_fork_server_of_a_forked_run_is_a_fork_of_the_zygote(
     # process group all the same, so that what ends the run's group ends it too.
     assert server_parent != run
     assert server_group == run_group
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_the_fork_server_of_this_test_process_is_a_fork_of_the_zygote() -> None:
+    # The server the plugin's ranks fork from in this process (conftest.py), started as the
+    # plugin starts it: a fork of the zygote, under the zygote's waiter for it (_zygote.py),
+    # where a new interpreter's parent would be this process.
+    assert processes.start_method() == "forkserver"
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
+        server = pool.apply(os.getppid)
+    assert _parent(_parent(server)) == _forked_runs.zygote.pid
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as handle:
+        return int(handle.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_only_the_fork_server_is_started_as_a_fork() -> None:
