@@ -548,14 +548,14 @@ import os
 
 import pytest
 
-@pytest.mark.gradref_ranks(2)
+@pytest.mark.gradref_ranks(1)
 def test_first_pool(gradref_rank):
     assert "GRADREF_TEST_LATE" not in os.environ
 
 def test_the_controller_sets_a_variable():
     os.environ["GRADREF_TEST_LATE"] = "set"
 
-@pytest.mark.gradref_ranks(3)
+@pytest.mark.gradref_ranks(2)
 def test_second_pool(gradref_rank):
     assert os.environ["GRADREF_TEST_LATE"] == "set"
 """
