@@ -1,7 +1,8 @@
 """Plain-PyTorch reference of the fused-linear JSD distillation loss.
 
 Full logits, eager, differentiable with ``loss.backward()`` and with
-``torch.func.grad_and_value`` alike. The matmuls run in the inputs' dtype and, by default, the
+``torch.func.grad_and_value`` alike. The matmuls run in the inputs' dtype (on float32 copies,
+rounded once, where the CPU has no fast kernel for it: :func:`_linear`) and, by default, the
 rest in at least float32 (``upcast``), as production losses do: called with float64 tensors it
 is the golden reference, called with bfloat16 ones it is as accurate as a bfloat16 kernel can be
 expected to be, so a kernel that falls short of it fails the tests' default verdict. With
@@ -16,6 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._matmuls import products_via_float32
 
 __all__ = ["jsd_distillation_reference"]
 
@@ -49,8 +52,8 @@ def jsd_distillation_reference(
 
     The teacher's logits are detached: gradients flow to the student's tensors only.
     """
-    student_logits = F.linear(student_input, student_weight, student_bias)
-    teacher_logits = F.linear(teacher_input, teacher_weight, teacher_bias).detach()
+    student_logits = _linear(student_input, student_weight, student_bias)
+    teacher_logits = _linear(teacher_input, teacher_weight, teacher_bias).detach()
     if upcast:  # promote_types: float64 logits stay float64 for the golden
         student_logits = student_logits.to(torch.promote_types(student_logits.dtype, torch.float32))
         teacher_logits = teacher_logits.to(torch.promote_types(teacher_logits.dtype, torch.float32))
@@ -81,3 +84,16 @@ def jsd_distillation_reference(
     soft = torch.where(valid, per_token.sum(dim=-1), 0.0).sum()
 
     return (weight_hard_loss * hard + weight_soft_loss * soft) / num_valid
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` in the inputs' dtype; where its products are a scalar loop (a CPU without
+    oneDNN kernels for bfloat16 or float16, :func:`._matmuls.products_via_float32`), the same
+    computed on float32 copies and rounded once, as the fast kernels compute it. Backward then
+    rounds alike: the logits' gradient arrives in the inputs' dtype (theirs), is multiplied
+    exactly in float32, and each input's gradient is rounded once to its dtype by the copy's
+    backward."""
+    if not products_via_float32(x.device.type, x.dtype):
+        return F.linear(x, weight, bias)
+    wide_bias = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
