@@ -10,7 +10,9 @@ suite with torch's kernels held to AVX2, where the route is taken without a swit
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,19 +38,23 @@ def without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
 
 
-def products_run(fn: Callable[[], Any]) -> tuple[int, list[tuple[str, list[str]]]]:
+def products_run(fn: Callable[[], Any], trace: Path) -> tuple[int, list[tuple[str, list[str]]]]:
     """``fn()`` under torch's profiler: how many matrix products ran, and the name and
-    operand dtypes of those with a half-precision operand. A call before it makes the kernel
-    probe the device (a 2x2 product in each dtype, once per process) outside the profile."""
+    operand types of those with a half-precision operand. The types are read from the trace
+    the profiler exports (``trace``), which has them on every torch this project supports. A
+    call before it makes the kernel probe the device (a 2x2 product in each dtype, once per
+    process) outside the profile."""
     fn()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, record_shapes=True) as profile:
         fn()
-    products = [event for event in profile.events() if event.name in PRODUCTS]
+    profile.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    products = [event for event in events if event.get("name") in PRODUCTS]
     half = [
-        (event.name, list(event.input_dtypes))
+        (event["name"], event["args"]["Input type"])
         for event in products
-        if HALF_NAMES.intersection(event.input_dtypes)
+        if HALF_NAMES.intersection(event["args"]["Input type"])
     ]
     return len(products), half
 
@@ -66,13 +72,15 @@ def test_the_route_is_the_cpus_half_precision_products_without_onednn(
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_the_profiler_sees_a_half_precision_product(
-    without_onednn: None, dtype: torch.dtype
+    without_onednn: None, dtype: torch.dtype, tmp_path: Path
 ) -> None:
     # The check below can fail: torch's own linear layer, forward and backward, multiplies
     # in the inputs' dtype, which it sees.
     x = torch.randn(8, 4, dtype=dtype, requires_grad=True)
     weight = torch.randn(6, 4, dtype=dtype, requires_grad=True)
-    count, half = products_run(lambda: F.linear(x, weight).sum().backward())
+    count, half = products_run(
+        lambda: F.linear(x, weight).sum().backward(), tmp_path / "trace.json"
+    )
     assert count >= 3
     assert len(half) == count
 
@@ -105,16 +113,21 @@ def _grad_and_value_reference(*args: Tensor) -> tuple[tuple[Tensor, ...], Tensor
     "computation", ["kernel-torch", "kernel-triton", "reference", "reference-grad_and_value"]
 )
 def test_no_product_runs_in_half_precision(
-    make_jsd_inputs: Any, without_onednn: None, dtype: torch.dtype, computation: str
+    make_jsd_inputs: Any,
+    without_onednn: None,
+    dtype: torch.dtype,
+    computation: str,
+    tmp_path: Path,
 ) -> None:
     inputs = make_jsd_inputs(dtype, device=CPU, **SHAPE)
+    trace = tmp_path / "trace.json"
     if computation.startswith("kernel-"):
         kernel = _kernel(computation.removeprefix("kernel-"))
-        count, half = products_run(lambda: inputs.run(kernel))
+        count, half = products_run(lambda: inputs.run(kernel), trace)
     elif computation == "reference":
-        count, half = products_run(lambda: inputs.run(jsd_distillation_reference))
+        count, half = products_run(lambda: inputs.run(jsd_distillation_reference), trace)
     else:
-        count, half = products_run(lambda: _grad_and_value_reference(*inputs.args))
+        count, half = products_run(lambda: _grad_and_value_reference(*inputs.args), trace)
     assert count >= 3  # the logits, and a product for each of two gradients at least
     assert half == []
 
