@@ -6,8 +6,11 @@ dominate the test suite's time on a CPU without native bfloat16 arithmetic.
 
 A product of the kernel suite's large case (1024 rows, hidden 1024, vocabulary 4096) in the
 three layouts a linear layer's forward and backward take: x @ w.T (forward), g.T @ x (the
-weight's gradient) and g @ w (the input's gradient), each in float32, float64 and bfloat16,
-timed once after one warm-up call. Prints GFLOP/s.
+weight's gradient) and g @ w (the input's gradient), each in float32, float64, bfloat16 and
+float16, and the half-precision ones again as the fused loss multiplies them where torch's own
+are a scalar loop (gradref_kernels._matmuls.products_via_float32): on float32 copies, the
+product rounded once, the copies and the rounding timed with it. Each is timed once after one
+warm-up call. Prints GFLOP/s.
 """
 
 from __future__ import annotations
@@ -20,13 +23,29 @@ import time
 import torch
 
 ROWS, HIDDEN, VOCAB = 1024, 1024, 4096
+# (dtype, multiplied on float32 copies): each row of the table.
+ROWS_OF_TABLE = [
+    (torch.float32, False),
+    (torch.float64, False),
+    (torch.bfloat16, False),
+    (torch.float16, False),
+    (torch.bfloat16, True),
+    (torch.float16, True),
+]
 
 
-def gflops(a: torch.Tensor, b: torch.Tensor, flops: float) -> float:
-    """a @ b's throughput, timed once after a warm-up call."""
-    torch.mm(a, b)
+def gflops(a: torch.Tensor, b: torch.Tensor, flops: float, via_float32: bool) -> float:
+    """a @ b's throughput (of float32 copies, rounded to a's dtype, with ``via_float32``),
+    timed once after a warm-up call."""
+
+    def product() -> torch.Tensor:
+        if via_float32:
+            return torch.mm(a.float(), b.float()).to(a.dtype)
+        return torch.mm(a, b)
+
+    product()
     start = time.perf_counter()
-    torch.mm(a, b)
+    product()
     return flops / (time.perf_counter() - start) / 1e9
 
 
@@ -44,16 +63,17 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for dtype, via_float32 in ROWS_OF_TABLE:
             x = torch.randn(ROWS, HIDDEN, dtype=dtype)
             w = torch.randn(VOCAB, HIDDEN, dtype=dtype)
             g = torch.randn(ROWS, VOCAB, dtype=dtype)
             cells = [
-                gflops(x, w.T, flops),
-                gflops(g.T, x, flops),
-                gflops(g, w, flops),
+                gflops(x, w.T, flops, via_float32),
+                gflops(g.T, x, flops, via_float32),
+                gflops(g, w, flops, via_float32),
             ]
-            print(f"| {threads} | {dtype} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+            name = f"{dtype} via float32" if via_float32 else str(dtype)
+            print(f"| {threads} | {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":
