@@ -61,6 +61,21 @@ _SUMS = frozenset(
         _aten.convolution,
     }
 )
+# The matrix products, whose half-precision result a run need not compute: it rounds their
+# float32 product, and torch multiplies half-precision matrices in a scalar loop on CPUs without
+# oneDNN kernels for them (x86 before AVX-512), hundreds of times slower than in float32.
+_PRODUCTS = frozenset(
+    {
+        _aten.mm,
+        _aten.bmm,
+        _aten.mv,
+        _aten.dot,
+        _aten.addmm,
+        _aten.addmv,
+        _aten.baddbmm,
+        _aten.addbmm,
+    }
+)
 # The operations whose result is exact, since it creates a constant or copies, selects or
 # moves values without arithmetic: a correct computation rounds none of them (the seed of a
 # backward pass, ones_like, rounded at random would scale every gradient by the same factor).
@@ -270,6 +285,45 @@ class RandomRounding(ResultMode):
             self._generators[device] = generator
         return generator
 
+    def _product_of_half(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.dtype | None:
+        """The half-precision dtype of a matrix product of tensors in that dtype whose result
+        this run rounds in it, or None: such a result is rounded from its float32
+        product alone (``_rounded``), so the product in half precision need not run."""
+        if func.overloadpacket not in _PRODUCTS or func._overloadname != "default":
+            return None  # out= and out_dtype= overloads go the general way
+        dtypes = {
+            leaf.dtype for leaf in [*args, *kwargs.values()] if isinstance(leaf, torch.Tensor)
+        }
+        if len(dtypes) != 1:
+            return None
+        (dtype,) = dtypes
+        if not dtype.is_floating_point or torch.finfo(dtype).eps <= torch.finfo(torch.float32).eps:
+            return None
+        if self.dtype is not None and torch.finfo(self.dtype).eps > torch.finfo(dtype).eps:
+            return None  # a rounded reference's coarser dtype rounds the half result itself
+        return dtype
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        dtype = self._product_of_half(func, args, kwargs)
+        if dtype is not None:
+            try:
+                exact = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
+                # The float32 product rounded to nearest stands in for the half result only as
+                # its dtype and shape: _rounded rounds ``exact``, as the general way does.
+                return self._rounded(func, args, kwargs, exact.to(dtype), 0, exact)
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass  # computed in its dtype, the general way
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
     def _terms(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The sum of the terms' magnitudes at each output of an operation that sums terms
         (a bound of it for a matrix product), or None."""
@@ -302,7 +356,10 @@ class RandomRounding(ResultMode):
         kwargs: dict[str, Any],
         result: torch.Tensor,
         position: int,
+        exact: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``result`` rounded at random; ``exact`` is its half-precision operation's float32
+        result where the caller has it (a matrix product's, which is then not recomputed)."""
         packet = func.overloadpacket
         target = result.dtype
         if self.dtype is not None and torch.finfo(self.dtype).eps > torch.finfo(target).eps:
@@ -318,7 +375,9 @@ class RandomRounding(ResultMode):
         # one the noise models; half the memory traffic of float64 and a cheaper draw.
         work = torch.float64 if result.dtype == torch.float64 else torch.float32
         value = result.to(work)
-        if half and target == result.dtype and not _writes(func):
+        if exact is not None:
+            value = exact.to(work)
+        elif half and target == result.dtype and not _writes(func):
             try:  # the result before its rounding: the operation in float32
                 found = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
                 exact = found[position] if isinstance(found, (tuple, list)) else found
