@@ -42,25 +42,6 @@ from pytest_gradref.reference.rounding import ResultMode
 RUNS = 16
 
 _aten = torch.ops.aten
-# The operations whose result sums terms, with the operation that sums their magnitudes:
-# the same operation on the absolute values of its inputs, except nll_loss, whose terms are
-# the negated log-probabilities it picks.
-_SUMS = frozenset(
-    {
-        _aten.sum,
-        _aten.mean,
-        _aten.mm,
-        _aten.bmm,
-        _aten.mv,
-        _aten.dot,
-        _aten.addmm,
-        _aten.addmv,
-        _aten.baddbmm,
-        _aten.addbmm,
-        _aten.cumsum,
-        _aten.convolution,
-    }
-)
 # The matrix products, whose half-precision result a run need not compute: it rounds their
 # float32 product, and torch multiplies half-precision matrices in a scalar loop on CPUs without
 # oneDNN kernels for them (x86 before AVX-512), hundreds of times slower than in float32.
@@ -76,6 +57,10 @@ _PRODUCTS = frozenset(
         _aten.addbmm,
     }
 )
+# The operations whose result sums terms, with the operation that sums their magnitudes:
+# the same operation on the absolute values of its inputs, except nll_loss, whose terms are
+# the negated log-probabilities it picks, and the products, whose sum is bounded instead.
+_SUMS = _PRODUCTS | {_aten.sum, _aten.mean, _aten.cumsum, _aten.convolution}
 # The operations whose result is exact, since it creates a constant or copies, selects or
 # moves values without arithmetic: a correct computation rounds none of them (the seed of a
 # backward pass, ones_like, rounded at random would scale every gradient by the same factor).
