@@ -7,7 +7,7 @@
 #   bash scripts/measure_ci_disk.sh [REV]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rev=${1:-HEAD}
+rev=$(git rev-parse --short "${1:-HEAD}") # now: a commit made meanwhile is not this run's
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git clone -q . "$work/clone"
@@ -27,7 +27,7 @@ while kill -0 "$ci" 2>/dev/null; do
 done
 status=0
 wait "$ci" || status=$?
-echo "$(git rev-parse --short "$rev"): .ci/run exited $status after $SECONDS s; its peak disk use" \
+echo "$rev: .ci/run exited $status after $SECONDS s; its peak disk use" \
     "over the start: $((peak - start)) MiB ($(awk -v m=$((peak - start)) 'BEGIN { printf "%.1f", m / 1024 }') GiB)"
 if ((status == 0)); then
     sed -n '/^stage times against/,$p' "$work/ci.log"
