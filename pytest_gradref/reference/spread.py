@@ -302,11 +302,17 @@ class RandomRounding(ResultMode):
         if dtype is not None:
             try:
                 exact = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
-                # The float32 product rounded to nearest stands in for the half result only as
-                # its dtype and shape: _rounded rounds ``exact``, as the general way does.
-                return self._rounded(func, args, kwargs, exact.to(dtype), 0, exact)
             except (RuntimeError, TypeError, NotImplementedError):
-                pass  # computed in its dtype, the general way
+                exact = None  # computed in its dtype and rounded as it is, the general way
+            if exact is not None:
+                try:
+                    # The float32 product rounded to nearest stands in for the half result only
+                    # as its dtype and shape: _rounded rounds ``exact``, as the general way does.
+                    return self._rounded(func, args, kwargs, exact.to(dtype), 0, exact)
+                except (RuntimeError, TypeError, NotImplementedError):
+                    # A subclass that cannot draw noise of its layout: its result is kept, as
+                    # transform keeps it.
+                    return func(*args, **kwargs)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _terms(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from _forked_runs import runpytest_forked
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_gradref.reference.spread import RandomRounding
@@ -147,3 +148,104 @@ def test_a_mixed_dtype_product_takes_the_general_way(gradref_device: torch.devic
     recorder = ProductDtypes()
     with pytest.raises(RuntimeError), recorder, RandomRounding(0):
         torch.mm(x, w)  # torch refuses it, as without the mode
+
+
+# A DTensor's products, on a one-rank gloo mesh in a child process (the process group is
+# process-wide): the rows of x sharded, w and b replicated, as a sharded reference has them.
+# The logits and the input gradient are rounded from float32 alone. The weight gradient sums
+# over the sharded rows into a Partial placement, where a DTensor cannot draw noise: as before,
+# it is computed in bfloat16 and kept (RandomRounding.transform's fallback). A mutation that
+# rounds a DTensor product the general way fails the products' count.
+DTENSOR_RUN = """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytest_gradref.reference.spread import RandomRounding
+
+
+class Products(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.bfloat16 = 0
+        self.float32 = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            dtypes = {a.dtype for a in args if isinstance(a, DTensor)}
+            self.bfloat16 += torch.bfloat16 in dtypes
+            self.float32 += torch.float32 in dtypes
+        return func(*args, **(kwargs or {}))
+
+
+MESH = []
+
+
+# Whether a run rounds a product sharded by rows on this torch's DTensor (torch 2.6's lacks a
+# sharding strategy for the casts the rounding takes).
+def rounds_sharded(mesh):
+    a = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    b = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+    exact = torch.mm(a, b)
+    try:
+        rounding = RandomRounding(0)
+        rounding._rounded(torch.ops.aten.mm.default, (a, b), {}, exact.bfloat16(), 0, exact)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
+
+
+def run():
+    mesh = MESH[0]
+    gen = torch.Generator().manual_seed(5)
+    shapes = ((8, 32), (48, 32), (48,))
+    x, w, b = (torch.randn(*shape, generator=gen).bfloat16() for shape in shapes)
+    x = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+    b = distribute_tensor(b, mesh, [Replicate()]).requires_grad_()
+    products = Products()
+    with products, RandomRounding(0):
+        loss = torch.nn.functional.linear(x, w, b).float().sin().sum()
+        loss.backward()
+    assert isinstance(x.grad, DTensor)
+    return [loss, x.grad, w.grad, b.grad], products
+
+
+def test_dtensor_products(tmp_path, monkeypatch):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    MESH.append(init_device_mesh("cpu", (1,)))
+    try:
+        kept = 1 if rounds_sharded(MESH[0]) else 3
+        shortcut, products = run()
+        monkeypatch.setattr(RandomRounding, "_product_of_half", lambda *args: None)
+        general, general_products = run()
+    finally:
+        dist.destroy_process_group()
+    # the general way: the three products in bfloat16, then again in float32
+    assert (general_products.bfloat16, general_products.float32) == (3, 3)
+    # the shortcut: the three in float32 once; in bfloat16 only those whose result is kept, as
+    # a DTensor that cannot be rounded in their layout has them: the weight gradient's (Partial),
+    # and on a torch whose DTensor cannot round a sharded product (2.6), all three
+    assert (products.bfloat16, products.float32) == (kept, 3)
+    # A DTensor draws its noise from its own random state, not the run's seeded generator (the
+    # general way too), so the two runs are two draws, not comparable bit for bit; each keeps
+    # the DTensor's dtypes and layout.
+    for new, old in zip(shortcut, general):
+        assert (new.dtype, new.placements) == (old.dtype, old.placements)
+        assert bool(new.to_local().isfinite().all())
+"""
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="this torch build has no gloo process groups",
+)
+def test_a_dtensors_products_are_rounded_from_float32_alone(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_dtensor_products=DTENSOR_RUN)
+    result = runpytest_forked(pytester, "--gradref-device=cpu", "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
