@@ -61,6 +61,9 @@ _PRODUCTS = frozenset(
 # the same operation on the absolute values of its inputs, except nll_loss, whose terms are
 # the negated log-probabilities it picks, and the products, whose sum is bounded instead.
 _SUMS = _PRODUCTS | {_aten.sum, _aten.mean, _aten.cumsum, _aten.convolution}
+# What an operation raises where a tensor (a subclass's layout) cannot take a step of the
+# rounding: the step is skipped, never the test.
+_CANNOT = (RuntimeError, TypeError, NotImplementedError)
 # The operations whose result is exact, since it creates a constant or copies, selects or
 # moves values without arithmetic: a correct computation rounds none of them (the seed of a
 # backward pass, ones_like, rounded at random would scale every gradient by the same factor).
@@ -302,14 +305,14 @@ class RandomRounding(ResultMode):
         if dtype is not None:
             try:
                 exact = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
-            except (RuntimeError, TypeError, NotImplementedError):
+            except _CANNOT:
                 exact = None  # computed in its dtype and rounded as it is, the general way
             if exact is not None:
                 try:
                     # The float32 product rounded to nearest stands in for the half result only
                     # as its dtype and shape: _rounded rounds ``exact``, as the general way does.
                     return self._rounded(func, args, kwargs, exact.to(dtype), 0, exact)
-                except (RuntimeError, TypeError, NotImplementedError):
+                except _CANNOT:
                     # A subclass that cannot draw noise of its layout: its result is kept, as
                     # transform keeps it.
                     return func(*args, **kwargs)
@@ -335,7 +338,7 @@ class RandomRounding(ResultMode):
     ) -> torch.Tensor:
         try:
             return self._rounded(func, args, kwargs, result, position)
-        except (RuntimeError, NotImplementedError, TypeError):
+        except _CANNOT:
             # A tensor subclass that cannot draw noise of its own layout (a sharded DTensor's
             # uniform_): its result is kept, and the spread counts the rounding of the rest.
             return result
@@ -365,15 +368,13 @@ class RandomRounding(ResultMode):
         # for a float32 target, one rounding of the perturbed value to nearest, which is the
         # one the noise models; half the memory traffic of float64 and a cheaper draw.
         work = torch.float64 if result.dtype == torch.float64 else torch.float32
-        value = result.to(work)
-        if exact is not None:
-            value = exact.to(work)
-        elif half and target == result.dtype and not _writes(func):
+        value = (result if exact is None else exact).to(work)
+        if exact is None and half and target == result.dtype and not _writes(func):
             try:  # the result before its rounding: the operation in float32
                 found = func(*tree_map(_in_float32, args), **tree_map(_in_float32, kwargs))
                 exact = found[position] if isinstance(found, (tuple, list)) else found
                 value = exact.to(work)
-            except (RuntimeError, TypeError, NotImplementedError):
+            except _CANNOT:
                 pass  # rounded again as it is
         # The error of the accumulation's rounding, for an operation that sums terms.
         accumulated: torch.Tensor | None = None
