@@ -3,6 +3,12 @@
 # .ci/run before it installs anything, so that a host short of disk says so at once.
 #   bash scripts/check_free_disk.sh GIB DIR...
 set -euo pipefail
+if (($# < 2)) || [[ ! "$1" =~ ^[0-9]+$ ]]; then
+    echo "check_free_disk.sh: expected GIB, a whole number of GiB, then one directory or more" \
+        "(got: $*); e.g. bash scripts/check_free_disk.sh 13 . (.ci/run: set GRADREF_CI_DISK_GIB" \
+        "to a whole number)" >&2
+    exit 2
+fi
 need_gib=$1
 shift
 status=0

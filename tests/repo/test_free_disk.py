@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from test_docs_checks import ROOT
 
 SCRIPT = ROOT / "scripts" / "check_free_disk.sh"
@@ -31,6 +32,16 @@ def test_too_little_room_fails_naming_the_directory_and_the_need(tmp_path: Path)
     assert result.returncode == 1
     assert result.stderr.count(f"{tmp_path} has ") == 2
     assert "needs about 1000000000 GiB there at its peak" in result.stderr
+
+
+@pytest.mark.parametrize("arguments", [(), ("13",), ("13.5", "."), ("lots", ".")])
+def test_bad_arguments_are_refused_saying_what_is_expected(arguments: tuple[str, ...]) -> None:
+    result = subprocess.run(
+        ["bash", str(SCRIPT), *arguments], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert "expected GIB, a whole number of GiB, then one directory or more" in result.stderr
+    assert "GRADREF_CI_DISK_GIB" in result.stderr
 
 
 def line_of(fragment: str) -> int:
